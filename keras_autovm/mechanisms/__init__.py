@@ -1,0 +1,36 @@
+"""One small module per Keras backend, behind the same function names.
+
+Each backend module provides:
+- `ACTIONS`: the plan actions it can carry out.
+- `REPLAYS_SEGMENTS`: whether recompute means replaying plan segments
+  through `recompute` (TensorFlow, torch) rather than a policy (JAX).
+- `gpu_available()`, `device_memory()`, `peak_memory()`, `reset_peak()`.
+- `tag(x, name)`: marks a layer output for the backend's remat machinery.
+- `recompute(fn)`: wraps `fn` so that its intermediates are recomputed in
+  the backward pass instead of stored.
+- `install(model, runtime)` / `uninstall(model)`: hooks on the trainer that
+  a backend needs to apply a plan (JAX wraps the loss in `jax.checkpoint`).
+
+The module for the active Keras backend is picked once, on first use.
+"""
+
+import importlib
+
+import keras
+
+_MODULES = {
+    "jax": "keras_autovm.mechanisms.jax",
+    "tensorflow": "keras_autovm.mechanisms.tensorflow",
+    "torch": "keras_autovm.mechanisms.torch",
+}
+
+
+def get():
+    """Returns the mechanism module for the active Keras backend."""
+    backend = keras.backend.backend()
+    if backend not in _MODULES:
+        raise NotImplementedError(
+            f"keras_autovm supports the jax, tensorflow and torch backends; "
+            f"the active Keras backend is {backend!r}."
+        )
+    return importlib.import_module(_MODULES[backend])

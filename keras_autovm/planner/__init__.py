@@ -1,0 +1,33 @@
+"""The planner: which tagged tensors to keep, swap to host, or recompute.
+
+Pure standard-library Python, no framework imports: a `Graph` of ops and
+tagged tensors goes in, a `Plan` comes out. `simulate` scores a plan on a
+timeline of one training step; `POLICIES` are the decision rules and
+`make_plan` picks one that fits a memory budget.
+"""
+
+from .cost import CostModel
+from .graph import Graph
+from .graph import OpSpec
+from .graph import TensorSpec
+from .plan import Plan
+from .plan import PlanError
+from .plan import format_bytes
+from .policies import POLICIES
+from .policies import make_plan
+from .simulate import SimResult
+from .simulate import simulate
+
+__all__ = [
+    "CostModel",
+    "Graph",
+    "OpSpec",
+    "Plan",
+    "PlanError",
+    "POLICIES",
+    "SimResult",
+    "TensorSpec",
+    "format_bytes",
+    "make_plan",
+    "simulate",
+]

@@ -1,0 +1,189 @@
+"""A plan: one action per tagged tensor, prefetch triggers, and its forecast.
+
+Pure data, no framework imports.
+"""
+
+import dataclasses
+
+from .graph import ACTIONS
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n):
+    """Formats a byte count in binary units with two decimals.
+
+    Args:
+        n: number of bytes.
+
+    Returns:
+        A string such as `"1.50 GiB"`, `"12.00 MiB"` or `"512 B"`.
+    """
+    for unit, size in _UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class PlanError(ValueError):
+    """No plan fits the memory budget.
+
+    Args:
+        message: what failed; the smallest feasible budget is appended.
+        min_budget: the smallest budget, in bytes, that a plan reaches.
+
+    Attributes:
+        min_budget: as given.
+    """
+
+    def __init__(self, message, min_budget):
+        self.min_budget = int(min_budget)
+        super().__init__(
+            f"{message} The smallest feasible budget is "
+            f"{format_bytes(self.min_budget)} ({self.min_budget} bytes)."
+        )
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to do with every tagged tensor, and what that is predicted to cost.
+
+    Args:
+        graph: the `Graph` planned for.
+        actions: dict tensor name -> `"keep"`, `"swap"` or `"recompute"`,
+            one entry per tensor of the graph.
+        prefetch: dict swapped tensor name -> op name whose backward start
+            triggers the copy back to the device.
+        policy: name of the policy that made the plan.
+        budget: device memory budget in bytes, or `None` for no limit.
+        cost: the `CostModel` used.
+        result: the `SimResult` of simulating the plan.
+        notes: list of strings: what is not managed and why.
+        segments: tuple of tuples of op names, in forward order: chains the
+            backward replays as a whole (recompute policies). Defaults to
+            `()`.
+    """
+
+    graph: object
+    actions: dict
+    prefetch: dict
+    policy: str
+    budget: object
+    cost: object
+    result: object
+    notes: list = dataclasses.field(default_factory=list)
+    segments: tuple = ()
+
+    @property
+    def fits(self):
+        """Whether the predicted peak is within the budget."""
+        return self.budget is None or self.result.peak_bytes <= self.budget
+
+    def counts(self):
+        """Returns a dict action -> number of tensors given that action."""
+        counts = {action: 0 for action in ACTIONS}
+        for action in self.actions.values():
+            counts[action] += 1
+        return counts
+
+    def summary(self, print_fn=print, line_length=98):
+        """Prints one row per tagged tensor and the predicted costs.
+
+        Args:
+            print_fn: function called with each line. Defaults to `print`.
+            line_length: total width of the table. Defaults to `98`.
+        """
+        widths = _column_widths(line_length)
+        print_fn("=" * line_length)
+        print_fn(_row(("Tensor", "Layer", "Bytes", "Action", "Prefetch at",
+                       "Stall"), widths))
+        print_fn("-" * line_length)
+        stalls = self.result.stalls
+        for t in self.graph.tensors:
+            action = self.actions.get(t.name, "keep")
+            stall = stalls.get(t.name)
+            print_fn(_row((t.name, t.producer, format_bytes(t.nbytes), action,
+                           self.prefetch.get(t.name, "-"),
+                           _format_time(stall) if stall else "-"), widths))
+        print_fn("=" * line_length)
+        for line in self._footer():
+            print_fn(line)
+        print_fn("=" * line_length)
+
+    def _footer(self):
+        r = self.result
+        budget = "none" if self.budget is None else format_bytes(self.budget)
+        counts = ", ".join(f"{n} {a}" for a, n in self.counts().items())
+        lines = [
+            f"Policy: {self.policy} ({counts})",
+            f"Budget: {budget}",
+            f"Predicted peak: {format_bytes(r.peak_bytes)}"
+            + ("" if self.fits else "  (over budget)"),
+            f"Predicted step time: {_format_time(r.step_time)} "
+            f"(recompute {_format_time(r.recompute_time)}, "
+            f"stall {_format_time(r.stall_time)})",
+            f"Bytes moved: {format_bytes(r.d2h_bytes)} to host, "
+            f"{format_bytes(r.h2d_bytes)} to device",
+        ]
+        return lines + [f"Note: {note}" for note in self.notes]
+
+    def to_dict(self):
+        """Returns the plan and its forecast as JSON-serialisable data."""
+        r = self.result
+        return {
+            "policy": self.policy,
+            "budget": self.budget,
+            "fits": self.fits,
+            "counts": self.counts(),
+            "tensors": [
+                {"name": t.name, "layer": t.producer, "nbytes": t.nbytes,
+                 "action": self.actions.get(t.name, "keep"),
+                 "prefetch": self.prefetch.get(t.name),
+                 "stall_time": r.stalls.get(t.name, 0.0)}
+                for t in self.graph.tensors
+            ],
+            "segments": [list(s) for s in self.segments],
+            "notes": list(self.notes),
+            "predicted": {
+                "peak_bytes": r.peak_bytes,
+                "peak_time": r.peak_time,
+                "peak_live": [list(x) for x in r.peak_live],
+                "step_time": r.step_time,
+                "compute_time": r.compute_time,
+                "recompute_time": r.recompute_time,
+                "stall_time": r.stall_time,
+                "d2h_bytes": r.d2h_bytes,
+                "h2d_bytes": r.h2d_bytes,
+            },
+            "cost": dataclasses.asdict(self.cost),
+            "batch_size": self.graph.batch_size,
+            "persistent_bytes": self.graph.persistent_bytes,
+        }
+
+
+def _column_widths(line_length):
+    # Tensor, layer, bytes, action, prefetch at, stall.
+    shares = (0.24, 0.22, 0.12, 0.11, 0.19, 0.12)
+    widths = [max(6, int(line_length * s)) for s in shares]
+    widths[0] += max(0, line_length - sum(widths))
+    return widths
+
+
+def _row(cells, widths):
+    parts = []
+    for cell, width in zip(cells, widths):
+        text = str(cell)
+        if len(text) >= width:
+            text = text[: width - 2] + "…"
+        parts.append(text.ljust(width))
+    return "".join(parts).rstrip()
+
+
+def _format_time(seconds):
+    if seconds == 0:
+        return "0 s"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"

@@ -1,0 +1,448 @@
+"""Timeline simulation of one training step under a keep/swap/recompute plan.
+
+Three streams: compute, device-to-host (D2H) and host-to-device (H2D). Each
+copy stream runs its copies one at a time in the order they were enqueued.
+Compute runs the forward of every op in order, then, op by op in reverse
+order, the recomputations that op's backward needs and the backward itself.
+
+Memory is `graph.persistent_bytes` plus live tagged tensors, live gradient
+buffers and the workspace of the running op:
+
+- A tensor is allocated when its producer's forward starts. A kept tensor
+  is freed after its last use: its last forward reader's forward, or its
+  last backward use (a backward reader, or a recomputation that reads it).
+- A swapped tensor is copied to host when its producer's forward ends; the
+  device copy is freed once that copy is done and its last forward reader
+  has run. The copy back is enqueued when compute reaches the backward of
+  its prefetch op (or its first backward use, if that comes first), starts
+  no earlier than the copy out finished, allocates device memory when it
+  starts, and compute waits for it before any op that reads the tensor.
+- A recomputed tensor is freed after its last forward reader. In backward,
+  before the first op that needs it, its producer's forward is re-run, and
+  recursively so for the recomputed inputs that producer needs and that are
+  not live. A recomputed tensor lives until its last backward reader that
+  is still to run, or, if none, just until the recomputation that needed it.
+- The gradient buffer of a tensor (same size) is allocated when the
+  backward of its last forward reader starts (its producer's, for a model
+  output) and freed when its producer's backward ends.
+"""
+
+import bisect
+import collections
+import dataclasses
+
+from .cost import CostModel
+from .graph import ACTIONS
+
+OpEvent = collections.namedtuple("OpEvent", ["op", "phase", "start", "end"])
+OpEvent.__doc__ = "One compute-stream item: `phase` is fwd, bwd or recompute."
+
+CopyEvent = collections.namedtuple(
+    "CopyEvent", ["tensor", "direction", "start", "end"]
+)
+CopyEvent.__doc__ = "One copy: `direction` is d2h or h2d."
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """What the simulation predicts for one training step.
+
+    Args:
+        peak_bytes: highest device memory in use.
+        peak_time: when the peak is first reached, in seconds.
+        peak_live: what is allocated at the peak, as `(kind, name, nbytes)`
+            with kind `"persistent"`, `"activation"`, `"gradient"` or
+            `"workspace"`, largest first.
+        step_time: when the last stream finishes, in seconds.
+        compute_time: forward plus backward time, without recomputation.
+        recompute_time: time spent re-running forwards in backward.
+        stall_time: time compute waited for host-to-device copies.
+        stalls: dict tensor name -> seconds compute waited for its copy.
+        d2h_bytes: bytes copied device to host.
+        h2d_bytes: bytes copied host to device.
+        timeline: list of `(time_s, bytes_in_use)`, time non-decreasing.
+        op_events: list of `OpEvent` in compute-stream order.
+        copy_events: list of `CopyEvent`, D2H then H2D, each in stream order.
+    """
+
+    peak_bytes: int
+    peak_time: float
+    peak_live: tuple
+    step_time: float
+    compute_time: float
+    recompute_time: float
+    stall_time: float
+    stalls: dict
+    d2h_bytes: int
+    h2d_bytes: int
+    timeline: list
+    op_events: list
+    copy_events: list
+
+
+def simulate(graph, actions=None, prefetch=None, cost=None):
+    """Simulates one training step of `graph` under a plan.
+
+    Args:
+        graph: a `Graph`.
+        actions: dict tensor name -> `"keep"`, `"swap"` or `"recompute"`.
+            Missing tensors are kept. Defaults to `None` (keep all).
+        prefetch: dict tensor name -> op name: a swapped tensor's copy back
+            is enqueued when the backward of that op starts. Missing swapped
+            tensors are prefetched one op ahead of their first backward use.
+            Defaults to `None`.
+        cost: a `CostModel`. Defaults to `CostModel()`.
+
+    Returns:
+        A `SimResult`.
+    """
+    actions = dict(actions or {})
+    cost = cost or CostModel()
+    ix = _index(graph)
+    _check_actions(ix, actions)
+    sched = _schedule(ix, actions)
+    triggers = _triggers(ix, sched, actions, prefetch or {})
+    streams = _run(ix, graph, sched, actions, triggers, cost)
+    events = _memory_events(ix, graph, sched, streams, actions)
+    return _result(graph, ix, sched, streams, events, actions)
+
+
+def first_backward_use(graph, actions):
+    """Where each tensor is first needed in backward under `actions`.
+
+    Policies use it to place prefetches: the answer accounts for
+    recomputations, which may read a swapped tensor before any backward
+    reader does.
+
+    Args:
+        graph: a `Graph`.
+        actions: dict tensor name -> action, as for `simulate`.
+
+    Returns:
+        Dict tensor name -> forward index of the op whose backward (or the
+        recomputations just before it) first reads the tensor. Tensors not
+        read in backward are left out.
+    """
+    ix = _index(graph)
+    _check_actions(ix, dict(actions))
+    sched = _schedule(ix, dict(actions))
+    return {t: sched.group[pos[0]] for t, pos in sched.uses.items() if pos}
+
+
+# Static facts about a graph, computed once per Graph object.
+_CACHE = {}
+
+
+def _index(graph):
+    hit = _CACHE.get(id(graph))
+    # Holding the graph keeps its id from being reused while cached.
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_CACHE) >= 32:
+        _CACHE.clear()
+    ix = _Index(graph)
+    _CACHE[id(graph)] = (graph, ix)
+    return ix
+
+
+class _Index:
+    """Per-graph lookups by op position (forward index)."""
+
+    def __init__(self, graph):
+        pos = graph.op_index
+        n = len(graph.ops)
+        self.n = n
+        self.op_names = [op.name for op in graph.ops]
+        self.nbytes = {t.name: t.nbytes for t in graph.tensors}
+        self.spec = graph.tensor_map
+        self.producer = {t.name: pos[t.producer] for t in graph.tensors}
+        self.fwd = {t.name: sorted({pos[r] for r in t.fwd_readers})
+                    for t in graph.tensors}
+        self.bwd = {t.name: sorted({pos[r] for r in t.bwd_readers})
+                    for t in graph.tensors}
+        self.last_fwd = {t: (f[-1] if f else self.producer[t])
+                         for t, f in self.fwd.items()}
+        self.outputs = [[] for _ in range(n)]
+        self.inputs = [[] for _ in range(n)]
+        self.bwd_inputs = [[] for _ in range(n)]
+        for t in graph.tensors:
+            self.outputs[self.producer[t.name]].append(t.name)
+            for i in self.fwd[t.name]:
+                self.inputs[i].append(t.name)
+            for i in self.bwd[t.name]:
+                self.bwd_inputs[i].append(t.name)
+        self._add_declared_inputs(graph)
+
+    def _add_declared_inputs(self, graph):
+        # OpSpec.inputs should agree with fwd_readers; take the union so a
+        # recomputation never misses an input either side declares.
+        for i, op in enumerate(graph.ops):
+            for name in op.inputs:
+                known = name in self.producer and self.producer[name] < i
+                if known and name not in self.inputs[i]:
+                    self.inputs[i].append(name)
+
+
+def _check_actions(ix, actions):
+    for name, action in actions.items():
+        if name not in ix.spec:
+            raise ValueError(f"Unknown tensor in `actions`: {name!r}")
+        if action not in ACTIONS:
+            raise ValueError(
+                f"Action for {name!r} must be one of {ACTIONS}, "
+                f"received: {action!r}"
+            )
+        t = ix.spec[name]
+        if action == "swap" and not t.can_swap:
+            raise ValueError(f"Tensor {name!r} cannot be swapped. {t.note}")
+        if action == "recompute" and not t.can_recompute:
+            raise ValueError(f"Tensor {name!r} cannot be recomputed. {t.note}")
+
+
+_Schedule = collections.namedtuple(
+    "_Schedule", ["items", "group", "group_start", "bwd_pos", "uses", "redo"]
+)
+
+
+def _schedule(ix, actions):
+    """Orders the compute stream and records backward uses.
+
+    Returns a `_Schedule`: `items` is a list of (phase, op index); `group[p]`
+    the op whose backward item `p` belongs to (None in forward);
+    `group_start[i]` and `bwd_pos[i]` the positions where op i's backward
+    group and backward item start; `uses` maps kept/swapped tensors to the
+    positions that read them in backward; `redo` lists recomputed tensors
+    as `[name, first_pos, last_pos]`.
+    """
+    n = ix.n
+    items = [("fwd", i) for i in range(n)]
+    group = [None] * n
+    group_start, bwd_pos = [0] * n, [0] * n
+    uses, redo = {}, []
+    live = {}  # Recomputed tensor -> its redo entry, while it is live.
+    dies = {}  # Op index -> recomputed tensors its backward is the last for.
+
+    def use(name, pos):
+        if name in live:
+            live[name][2] = pos
+        elif actions.get(name, "keep") != "recompute":
+            uses.setdefault(name, []).append(pos)
+
+    def recompute(name, i):
+        p = ix.producer[name]
+        pos = len(items)
+        items.append(("recompute", p))
+        group.append(i)
+        for s in ix.inputs[p]:
+            use(s, pos)
+        redo.append([name, pos, pos])
+        # Live until its last backward reader still to run; with none, it
+        # only feeds other recomputations of this group.
+        until = min((r for r in ix.bwd[name] if r <= i), default=i)
+        live[name] = redo[-1]
+        dies.setdefault(until, []).append(name)
+
+    def ensure(name, i):
+        # Depth-first without recursion: recomputed chains can be long.
+        stack = [(name, False)]
+        while stack:
+            t, ready = stack.pop()
+            if actions.get(t) != "recompute" or t in live:
+                continue
+            if ready:
+                recompute(t, i)
+                continue
+            stack.append((t, True))
+            inputs = ix.inputs[ix.producer[t]]
+            stack.extend((s, False) for s in reversed(inputs))
+
+    for i in reversed(range(n)):
+        group_start[i] = len(items)
+        for t in ix.bwd_inputs[i]:
+            ensure(t, i)
+        bwd_pos[i] = len(items)
+        items.append(("bwd", i))
+        group.append(i)
+        for t in ix.bwd_inputs[i]:
+            use(t, bwd_pos[i])
+        for t in dies.pop(i, ()):
+            del live[t]
+    return _Schedule(items, group, group_start, bwd_pos, uses, redo)
+
+
+def _triggers(ix, sched, actions, prefetch):
+    """Maps each swapped tensor read in backward to its copy-back position."""
+    op_pos = {name: i for i, name in enumerate(ix.op_names)}
+    issue = {}
+    for name, action in actions.items():
+        if action != "swap" or name not in sched.uses:
+            continue
+        first = sched.uses[name][0]
+        if name in prefetch:
+            if prefetch[name] not in op_pos:
+                raise ValueError(
+                    f"Unknown op in `prefetch` for {name!r}: {prefetch[name]!r}"
+                )
+            op = op_pos[prefetch[name]]
+        else:
+            op = min(sched.group[first] + 1, ix.n - 1)
+        # A trigger after the first use would deadlock; issue at the use.
+        issue[name] = min(sched.group_start[op], first)
+    return issue
+
+
+_Streams = collections.namedtuple(
+    "_Streams", ["starts", "ends", "d2h", "h2d", "stalls", "end"]
+)
+
+
+def _run(ix, graph, sched, actions, issue, cost):
+    """Times every compute item and copy; returns a `_Streams`."""
+    fwd_t = [cost.fwd_time(op) for op in graph.ops]
+    bwd_t = [cost.bwd_time(op) for op in graph.ops]
+    issue_at, gate = {}, {}
+    # Copies issued together go in the order compute will need them.
+    order = sorted(issue, key=lambda n: (issue[n], sched.uses[n][0]))
+    for name in order:
+        pos = issue[name]
+        issue_at.setdefault(pos, []).append(name)
+        for p in sched.uses[name]:
+            gate.setdefault(p, []).append(name)
+    starts, ends, d2h, h2d, stalls = [], [], {}, {}, {}
+    now = d2h_free = h2d_free = 0.0
+    for pos, (phase, i) in enumerate(sched.items):
+        for name in issue_at.get(pos, ()):
+            start = max(now, h2d_free, d2h[name][1])
+            h2d_free = start + cost.copy_time(ix.nbytes[name], "h2d")
+            h2d[name] = (start, h2d_free)
+        start = _wait(now, gate.get(pos, ()), h2d, stalls)
+        now = start + (bwd_t[i] if phase == "bwd" else fwd_t[i])
+        starts.append(start)
+        ends.append(now)
+        if phase != "fwd":
+            continue
+        for name in ix.outputs[i]:
+            if actions.get(name) == "swap":
+                begin = max(now, d2h_free)
+                d2h_free = begin + cost.copy_time(ix.nbytes[name], "d2h")
+                d2h[name] = (begin, d2h_free)
+    end = max(now, d2h_free, h2d_free)
+    return _Streams(starts, ends, d2h, h2d, stalls, end)
+
+
+def _wait(now, names, h2d, stalls):
+    """Start time of a compute item that reads the swapped tensors `names`."""
+    start = now
+    for name in sorted(names, key=lambda n: h2d[n][1]):
+        ready = h2d[name][1]
+        if ready > start:
+            stalls[name] = stalls.get(name, 0.0) + ready - start
+            start = ready
+    return start
+
+
+def _memory_events(ix, graph, sched, st, actions):
+    """Allocations and frees as sorted `(time, rank, delta, key)` tuples.
+
+    `rank` breaks ties at equal times in stream order, so that zero-length
+    items still allocate before they free, and a free at the end of one
+    item comes before an allocation at the start of the next.
+    """
+    events = []
+    starts, ends = st.starts, st.ends
+
+    def span(key, nbytes, born, dies):
+        if nbytes:
+            events.append((born[0], born[1], nbytes, key))
+            events.append((dies[0], dies[1], -nbytes, key))
+
+    def start(pos):
+        return (starts[pos], 3 * pos + 1)
+
+    def end(pos):
+        return (ends[pos], 3 * pos + 2)
+
+    def at(time):
+        # Copy-stream events fall just before the next compute item starts.
+        return (time, 3 * bisect.bisect_left(starts, time))
+
+    for name, nbytes in ix.nbytes.items():
+        born, last_fwd = start(ix.producer[name]), end(ix.last_fwd[name])
+        uses = sched.uses.get(name)
+        action = actions.get(name, "keep")
+        if action == "keep":
+            dies = end(uses[-1]) if uses else last_fwd
+            span(("activation", name), nbytes, born, dies)
+        elif action == "recompute":
+            span(("activation", name), nbytes, born, last_fwd)
+        else:
+            copied = st.d2h[name][1]
+            out = last_fwd if last_fwd[0] >= copied else at(copied)
+            span(("activation", name), nbytes, born, out)
+            if uses:
+                back = at(st.h2d[name][0])
+                span(("activation", name), nbytes, back, end(uses[-1]))
+        fwd = ix.fwd[name]
+        reader = fwd[-1] if fwd else ix.producer[name]
+        span(("gradient", name), nbytes, start(sched.bwd_pos[reader]),
+             end(sched.bwd_pos[ix.producer[name]]))
+    for name, first, last in sched.redo:
+        span(("activation", name), ix.nbytes[name], start(first), end(last))
+    for pos, (_, i) in enumerate(sched.items):
+        op = graph.ops[i]
+        span(("workspace", op.name), op.workspace_bytes, start(pos), end(pos))
+    events.sort()
+    return events
+
+
+def _result(graph, ix, sched, st, events, actions):
+    """Sweeps the memory events and assembles the `SimResult`."""
+    peak, peak_k, peak_time, timeline = _sweep(graph.persistent_bytes, events)
+    durations = collections.Counter()
+    op_events = []
+    for pos, (phase, i) in enumerate(sched.items):
+        durations[phase] += st.ends[pos] - st.starts[pos]
+        op_events.append(
+            OpEvent(ix.op_names[i], phase, st.starts[pos], st.ends[pos])
+        )
+    copies = [CopyEvent(n, "d2h", a, b) for n, (a, b) in st.d2h.items()]
+    copies += [CopyEvent(n, "h2d", a, b) for n, (a, b) in st.h2d.items()]
+    copies.sort(key=lambda c: (c.direction, c.start))
+    return SimResult(
+        peak_bytes=peak,
+        peak_time=peak_time,
+        peak_live=_live_at(graph.persistent_bytes, events, peak_k),
+        step_time=st.end,
+        compute_time=durations["fwd"] + durations["bwd"],
+        recompute_time=durations["recompute"],
+        stall_time=sum(st.stalls.values()),
+        stalls=dict(st.stalls),
+        d2h_bytes=sum(ix.nbytes[n] for n in st.d2h),
+        h2d_bytes=sum(ix.nbytes[n] for n in st.h2d),
+        timeline=timeline,
+        op_events=op_events,
+        copy_events=copies,
+    )
+
+
+def _sweep(base, events):
+    """Returns (peak bytes, index of the peak event, its time, timeline)."""
+    now = peak = base
+    peak_k, peak_time = -1, 0.0
+    timeline = [(0.0, base)]
+    for k, (time, _, delta, _) in enumerate(events):
+        now += delta
+        timeline.append((time, now))
+        if now > peak:
+            peak, peak_k, peak_time = now, k, time
+    return peak, peak_k, peak_time, timeline
+
+
+def _live_at(base, events, k):
+    """What is allocated just after event `k`, largest first."""
+    live = collections.Counter()
+    for _, _, delta, key in events[: k + 1]:
+        live[key] += delta
+    found = [(kind, name, n) for (kind, name), n in live.items() if n]
+    found.sort(key=lambda x: (-x[2], x[0], x[1]))
+    return tuple([("persistent", "", base)] if base else []) + tuple(found)

@@ -1,0 +1,162 @@
+"""What the wrappers of one model consult while it trains.
+
+A `Runtime` holds the plan for each batch size it has seen (planned lazily,
+on the first training call at that batch size, since Keras tells callbacks
+no batch size) and carries out recompute segments for backends that
+rematerialise per function (TensorFlow, torch): the first layer of a segment
+runs the whole segment under the backend's `recompute`, and the later layers
+of the segment hand back the outputs it computed.
+"""
+
+import contextlib
+
+import keras
+
+from keras_autovm import graph as graph_lib
+
+
+class Runtime:
+    """Plans and applies them, for one wrapped model.
+
+    Args:
+        mechanism: the backend mechanism module (`keras_autovm.mechanisms`).
+        make_plan: callable `batch_size -> Plan`.
+        layers: maps layer name to the (unwrapped) layer object.
+    """
+
+    def __init__(self, mechanism, make_plan, layers, batch_size=None):
+        self.mechanism = mechanism
+        # Used when a traced batch has no static size (TensorFlow datasets).
+        self.batch_size = batch_size
+        self._make_plan = make_plan
+        self._layers = layers
+        self._plans = {}
+        self.plan = None
+        self._stash = {}
+        # What was carried out, for reports and tests.
+        self.stats = {"segments_run": 0, "segments_replayed": 0,
+                      "checkpointed_traces": 0}
+
+    def reset(self, make_plan=None):
+        """Forgets the plans (to replan after calibration)."""
+        self._make_plan = make_plan or self._make_plan
+        self._plans = {}
+
+    def plan_for(self, batch_size):
+        """The plan for `batch_size`, made on first use; `None` if unknown."""
+        batch_size = batch_size or self.batch_size
+        if batch_size is None:
+            return self.plan
+        if batch_size not in self._plans:
+            self._plans[batch_size] = _Applied(self._make_plan(batch_size))
+        # Reports show the plan of the full batch, not of a last partial one.
+        self.plan = self._plans[max(self._plans)]
+        return self._plans[batch_size]
+
+    def plan_for_inputs(self, inputs):
+        """The plan for a batch of model inputs; fails if its size is unknown."""
+        batch_size = _batch_size(inputs) or self.batch_size
+        if batch_size is None:
+            raise ValueError(
+                "AutoVM could not tell the training batch size: the traced "
+                "batch has no static size and the data does not say. Pass "
+                "AutoVM(batch_size=...).")
+        return self.plan_for(batch_size)
+
+    def jax_policy(self, batch):
+        """The checkpoint policy for this batch, or `None` to change nothing."""
+        applied = self.plan_for(_batch_size(batch))
+        if applied is None or not applied.changes_anything:
+            return None
+        self.stats["checkpointed_traces"] += 1
+        return self.mechanism.policy(applied)
+
+    def call(self, wrapper, inputs, args, kwargs, training):
+        """Runs `wrapper`'s layer in training, applying the plan."""
+        name = wrapper.layer.name
+        applied = self.plan_for(_batch_size(inputs))
+        if name in self._stash:
+            return self._stash.pop(name)
+        segment = (applied.segment_starting.get(name)
+                   if applied and self.mechanism.REPLAYS_SEGMENTS else None)
+        if segment and not args and set(kwargs) <= {"training"}:
+            return self._run_segment(segment, inputs, training)
+        return self._tag(wrapper.layer, wrapper.layer(inputs, *args, **kwargs))
+
+    def _tag(self, layer, outputs):
+        names = graph_lib.tag_names(layer)
+        if len(names) == 1:
+            return self.mechanism.tag(outputs, names[0])
+        flat = keras.tree.flatten(outputs)
+        tagged = [self.mechanism.tag(x, n) for x, n in zip(flat, names)]
+        return keras.tree.pack_sequence_as(outputs, tagged)
+
+    def _run_segment(self, names, inputs, training):
+        layers = [self._layers[n] for n in names]
+        segment = _Segment(layers, training, self.stats)
+        self.stats["segments_run"] += 1
+        outputs = self.mechanism.recompute(lambda x: segment(x))(inputs)
+        for name, output in zip(names[1:], outputs[1:]):
+            self._stash[name] = output
+        return outputs[0]
+
+
+class _Applied:
+    """A plan with the look-ups the runtime needs."""
+
+    def __init__(self, plan):
+        self.actions = dict(plan.actions)
+        self.plan = plan
+        self.segment_starting = {seg[0]: tuple(seg) for seg in plan.segments
+                                 if len(seg) > 1}
+        self.changes_anything = any(a != "keep" for a in self.actions.values())
+
+    def names(self, action):
+        """The tags whose action is `action`."""
+        return [t for t, a in self.actions.items() if a == action]
+
+
+class _Segment:
+    """Runs a chain of layers; replays it with the forward's layer state.
+
+    The backward pass calls it a second time to recompute. Layer state that
+    the forward updated (batch-norm moving statistics, seed generators) is
+    read from a snapshot taken before the forward, and updates made while
+    replaying are discarded, so recomputing changes no variable.
+    """
+
+    def __init__(self, layers, training, stats):
+        self.layers = layers
+        self.stats = stats
+        self.kwargs = {} if training is None else {"training": training}
+        self.snapshot = [(v, keras.ops.copy(v.value)) for layer in layers
+                         for v in layer.non_trainable_variables]
+        self.calls = 0
+
+    def __call__(self, x):
+        # `training` is passed explicitly: the replay runs in the backward
+        # pass, outside the call context that carried it in the forward.
+        replaying = self.calls > 0
+        self.calls += 1
+        self.stats["segments_replayed"] += replaying
+        scope = (keras.StatelessScope(state_mapping=self.snapshot)
+                 if replaying and self.snapshot else contextlib.nullcontext())
+        outputs = []
+        with scope:
+            for layer in self.layers:
+                x = layer(x, **_accepted(layer, self.kwargs))
+                outputs.append(x)
+        return tuple(outputs)
+
+
+def _accepted(layer, kwargs):
+    return kwargs if getattr(layer, "_call_has_training_arg", False) else {}
+
+
+def _batch_size(inputs):
+    leaves = keras.tree.flatten(inputs)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if not shape:
+        return None
+    size = shape[0]
+    return int(size) if size is not None else None

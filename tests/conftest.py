@@ -1,0 +1,52 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+
+BACKEND = keras.backend.backend()
+
+
+def small_cnn(size=16):
+    """Sequential CNN with batch norm: stateful layers inside segments."""
+    return keras.Sequential([
+        keras.Input((size, size, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", name="c1"),
+        keras.layers.BatchNormalization(name="bn1"),
+        keras.layers.ReLU(name="r1"),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2"),
+        keras.layers.Conv2D(8, 3, padding="same", name="c3"),
+        keras.layers.ReLU(name="r3"),
+        keras.layers.MaxPooling2D(name="p1"),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c4"),
+        keras.layers.GlobalAveragePooling2D(name="gap"),
+        keras.layers.Dense(4, name="head"),
+    ], name="small_cnn")
+
+
+def skip_model(size=16):
+    """Functional model with residual adds and a concatenation."""
+    inputs = keras.Input((size, size, 3), name="x")
+    x = keras.layers.Conv2D(8, 3, padding="same", name="stem")(inputs)
+    y = keras.layers.Conv2D(8, 3, padding="same", name="a1")(x)
+    y = keras.layers.BatchNormalization(name="abn")(y)
+    y = keras.layers.ReLU(name="ar")(y)
+    y = keras.layers.Conv2D(8, 3, padding="same", name="a2")(y)
+    x = keras.layers.Add(name="add1")([x, y])
+    z = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="b1")(x)
+    x = keras.layers.Concatenate(name="cat")([x, z])
+    x = keras.layers.Conv2D(8, 1, name="proj")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs, name="skip_model")
+
+
+def data(n=32, size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, size, size, 3)).astype("float32"),
+            rng.normal(size=(n, 4)).astype("float32"))
+
+
+@pytest.fixture
+def cnn_data():
+    return data()

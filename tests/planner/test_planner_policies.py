@@ -1,0 +1,200 @@
+import json
+import math
+import time
+
+import pytest
+
+from keras_autovm.planner import POLICIES
+from keras_autovm.planner import CostModel
+from keras_autovm.planner import Graph
+from keras_autovm.planner import PlanError
+from keras_autovm.planner import TensorSpec
+from keras_autovm.planner import make_plan
+from keras_autovm.planner.policies import CANDIDATES
+from keras_autovm.planner.policies import chain_segments
+from planner_graphs import chain
+from planner_graphs import conv_chain
+
+COST = CostModel()
+
+
+def peak(name, graph, budget=None):
+    return POLICIES[name](graph, COST, budget).result.peak_bytes
+
+
+def test_offload_all_lowers_peak():
+    g = conv_chain(16)
+    keep = make_plan(g, None, "keep_all")
+    off = make_plan(g, None, "offload_all")
+    assert off.result.peak_bytes < keep.result.peak_bytes
+    # Every tensor read in backward is swapped; the output (no readers) kept.
+    assert off.counts() == {"keep": 1, "swap": 15, "recompute": 0}
+    assert off.actions["a15"] == "keep"
+    # One op ahead of the first backward reader (conv{i+1}): conv{i+2}.
+    assert off.prefetch["a0"] == "conv2"
+    assert off.prefetch["a14"] == "conv15"  # Clamped to the last op.
+    assert keep.counts()["keep"] == 16 and keep.prefetch == {}
+
+
+def test_greedy_fits_between_with_fewer_swaps():
+    g = conv_chain(16)
+    keep, off = peak("keep_all", g), peak("offload_all", g)
+    budget = (keep + off) // 2
+    plan = make_plan(g, budget, "greedy_offload")
+    assert plan.fits and plan.result.peak_bytes <= budget
+    swaps = plan.counts()["swap"]
+    assert 0 < swaps < make_plan(g, None, "offload_all").counts()["swap"]
+    # The biggest, longest-idle tensors go first: the earliest ones.
+    swapped = {n for n, a in plan.actions.items() if a == "swap"}
+    assert swapped == {f"a{i}" for i in range(swaps)}
+    assert plan.result.stall_time == 0
+    assert set(plan.prefetch) == swapped
+
+
+def test_greedy_swaps_nothing_when_it_fits():
+    g = conv_chain(8)
+    plan = make_plan(g, 2**40, "greedy_offload")
+    assert plan.counts()["swap"] == 0
+
+
+def test_sqrt_recompute_segments():
+    g = conv_chain(16)
+    plan = make_plan(g, None, "sqrt_recompute")
+    # sqrt(16) = 4: four segments of four ops.
+    assert [len(s) for s in plan.segments] == [4, 4, 4, 4]
+    assert plan.segments[1] == ("conv4", "conv5", "conv6", "conv7")
+    # All but each segment's last output is recomputed.
+    assert plan.counts() == {"keep": 4, "swap": 0, "recompute": 12}
+    assert plan.actions["a3"] == "keep" and plan.actions["a2"] == "recompute"
+    assert plan.result.peak_bytes < peak("keep_all", g)
+    assert plan.result.recompute_time > 0
+
+
+def test_segments_stop_at_branches_and_unrecomputable_tensors():
+    g = chain([1] * 10)
+    # A second forward reader (o9) of t4 ends the chain after o4 and makes
+    # o9 (two inputs) a chain of its own: o0..o4, o5..o8, o9. Segments of
+    # about round(sqrt(10)) = 3 ops; one-op segments are dropped.
+    t4 = g.tensors[4]
+    branched = TensorSpec("t4", 1, "o4", ("o5", "o9"), ("o5",))
+    g2 = Graph(g.ops, g.tensors[:4] + (branched,) + g.tensors[5:])
+    assert chain_segments(g2) == (("o0", "o1", "o2"), ("o3", "o4"),
+                                  ("o5", "o6"), ("o7", "o8"))
+    pinned = TensorSpec(t4.name, 1, "o4", t4.fwd_readers, t4.bwd_readers,
+                        can_recompute=False, note="custom op")
+    g3 = Graph(g.ops, g.tensors[:4] + (pinned,) + g.tensors[5:])
+    plan = make_plan(g3, None, "sqrt_recompute")
+    assert plan.actions["t4"] == "keep"
+    assert all(not ({"o4", "o5"} <= set(s)) for s in plan.segments)
+
+
+def test_sqrt_segment_length_scales_with_n():
+    segs = chain_segments(chain([1] * 100))
+    assert [len(s) for s in segs] == [10] * 10
+    segs = chain_segments(chain([1] * 30))
+    # round(sqrt(30)) = 5: six segments of five.
+    assert [len(s) for s in segs] == [5] * 6
+
+
+def test_auto_keeps_all_when_budget_is_large():
+    g = conv_chain(16)
+    assert make_plan(g, 2**40).policy == "keep_all"
+    assert make_plan(g, None).policy == "keep_all"
+    assert make_plan(g, None).counts()["keep"] == 16
+
+
+def test_auto_picks_fastest_fitting():
+    g = conv_chain(16)
+    budget = (peak("keep_all", g) + peak("offload_all", g)) // 2
+    plan = make_plan(g, budget)
+    assert plan.fits
+    others = [POLICIES[n](g, COST, budget) for n in CANDIDATES]
+    fastest = min(p.result.step_time for p in others if p.fits)
+    assert plan.result.step_time == fastest
+
+
+def test_plan_error_states_min_budget():
+    g = conv_chain(16)
+    with pytest.raises(PlanError, match="smallest feasible budget") as info:
+        make_plan(g, 1000)
+    lowest = min(peak(n, g, 1000) for n in CANDIDATES)
+    assert info.value.min_budget == lowest
+    assert lowest < peak("keep_all", g)
+    assert f"({lowest} bytes)" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    # The stated minimum is honest: planning with it succeeds.
+    plan = make_plan(g, info.value.min_budget)
+    assert plan.result.peak_bytes <= info.value.min_budget
+
+
+def test_explicit_policy_over_budget():
+    g = conv_chain(8)
+    keep = peak("keep_all", g)
+    with pytest.raises(PlanError, match="keep_all") as info:
+        make_plan(g, keep - 1, "keep_all")
+    assert info.value.min_budget == keep
+
+
+def test_recompute_only_backend_never_swaps():
+    g = conv_chain(16)
+    budget = peak("sqrt_recompute", g) + 1
+    plan = make_plan(g, budget, allowed=("keep", "recompute"))
+    assert plan.fits and plan.counts()["swap"] == 0
+    assert plan.counts()["recompute"] > 0
+    with pytest.raises(PlanError) as info:
+        make_plan(g, 1000, allowed=("keep", "recompute"))
+    assert info.value.min_budget == peak("sqrt_recompute", g)
+    with pytest.raises(NotImplementedError, match="'swap'"):
+        make_plan(g, budget, "offload_all", allowed=("keep", "recompute"))
+
+
+def test_bad_arguments():
+    g = conv_chain(4)
+    with pytest.raises(ValueError, match="policy=.*'fastest'") as info:
+        make_plan(g, None, "fastest")
+    assert "greedy_offload" in str(info.value)
+    with pytest.raises(ValueError, match="budget"):
+        make_plan(g, -1)
+    with pytest.raises(ValueError, match="budget"):
+        make_plan(g, "16GiB")
+    with pytest.raises(ValueError, match="allowed"):
+        make_plan(g, None, allowed=("swap",))
+    with pytest.raises(ValueError, match="cost"):
+        make_plan(g, None, cost="fast")
+
+
+def test_actions_respect_flags_and_notes_explain():
+    g = conv_chain(8)
+    pinned = TensorSpec("a0", g.tensors[0].nbytes, "conv0", ("conv1",),
+                        ("conv1",), can_swap=False, note="dynamic shape")
+    g2 = Graph(g.ops, (pinned,) + g.tensors[1:], g.persistent_bytes)
+    plan = make_plan(g2, None, "offload_all")
+    assert plan.actions["a0"] == "keep"
+    assert any("a0" in n and "dynamic shape" in n for n in plan.notes)
+    greedy = make_plan(g2, 0.9 * peak("keep_all", g2), "greedy_offload")
+    assert greedy.actions["a0"] == "keep"
+
+
+def test_plan_report_api():
+    g = conv_chain(8)
+    plan = make_plan(g, peak("offload_all", g) + 1, "greedy_offload")
+    lines = []
+    plan.summary(print_fn=lines.append, line_length=80)
+    text = "\n".join(lines)
+    assert sum(1 for line in lines if line.startswith("a")) == 8
+    assert "swap" in text and "Predicted peak" in text
+    assert "greedy_offload" in text and "MiB" in text
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["counts"] == plan.counts()
+    assert data["predicted"]["peak_bytes"] == plan.result.peak_bytes
+    assert [t["action"] for t in data["tensors"]] == list(plan.actions.values())
+
+
+def test_auto_on_500_ops_is_fast_enough():
+    g = conv_chain(500, base=2**16)
+    start = time.perf_counter()
+    plan = make_plan(g, (peak("keep_all", g) + peak("offload_all", g)) // 2)
+    # About 0.2 s here; the bound is loose for slow CI.
+    assert time.perf_counter() - start < 3.0
+    assert plan.fits
+    assert math.isfinite(plan.result.step_time)

@@ -1,0 +1,136 @@
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_autovm
+from conftest import BACKEND, data, skip_model, small_cnn
+
+SWAP = BACKEND == "jax"
+
+
+def train(model_fn, callbacks=(), epochs=2, batch_size=8):
+    keras.utils.set_random_seed(7)
+    model = model_fn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = data(32)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+              callbacks=list(callbacks), verbose=0)
+    return model
+
+
+def autovm(**kwargs):
+    kwargs.setdefault("budget", "1GiB")
+    return keras_autovm.AutoVM(verbose=0, apply_without_gpu=True, **kwargs)
+
+
+def assert_same_weights(a, b, exact):
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        if exact:
+            np.testing.assert_array_equal(wa, wb)
+        else:
+            np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("model_fn", [small_cnn, skip_model])
+def test_recompute_trains_like_without_autovm(model_fn):
+    reference = train(model_fn)
+    callback = autovm(policy="sqrt_recompute")
+    model = train(model_fn, [callback])
+    counts = callback.report.plan.counts()
+    assert counts["recompute"] > 0, counts
+    stats = callback.report.stats
+    if BACKEND == "jax":
+        assert stats["checkpointed_traces"] > 0, stats
+    else:
+        # Each segment ran in forward and was replayed in backward.
+        assert stats["segments_run"] > 0 and stats["segments_replayed"] > 0, stats
+    assert_same_weights(reference, model, exact=False)
+
+
+@pytest.mark.skipif(not SWAP, reason="swap runs on the JAX backend only")
+@pytest.mark.parametrize("model_fn", [small_cnn, skip_model])
+def test_swap_trains_like_without_autovm(model_fn):
+    reference = train(model_fn)
+    callback = autovm(policy="offload_all")
+    model = train(model_fn, [callback])
+    assert callback.report.plan.counts()["swap"] > 0
+    assert callback.report.stats["checkpointed_traces"] > 0
+    assert_same_weights(reference, model, exact=False)
+
+
+@pytest.mark.skipif(SWAP, reason="this backend has swap")
+def test_swap_policy_without_swap_mechanism_says_so():
+    with pytest.raises(NotImplementedError, match="swap"):
+        train(small_cnn, [autovm(policy="offload_all")])
+
+
+def test_auto_under_a_tight_budget_fits_and_trains():
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    keep = keras_autovm.plan(model, 8, budget=2**40, policy="keep_all")
+    budget = int(keep.result.peak_bytes * 0.97)
+    callback = autovm(budget=budget)
+    reference = train(small_cnn)
+    trained = train(small_cnn, [callback])
+    plan = callback.report.plan
+    assert plan.result.peak_bytes <= budget
+    assert plan.counts()["keep"] < len(plan.actions)
+    assert_same_weights(reference, trained, exact=False)
+
+
+def test_budget_below_feasible_minimum_fails_before_training():
+    with pytest.raises(keras_autovm.PlanError, match="smallest feasible budget"):
+        train(small_cnn, [autovm(budget=1000)])
+
+
+def test_model_is_restored_after_training():
+    callback = autovm(policy="sqrt_recompute")
+    model = train(small_cnn, [callback])
+    assert "call" not in model.__dict__
+    x, _ = data(4)
+    before = model.predict(x, verbose=0)
+    model.fit(*data(8), epochs=1, verbose=0)  # Reuse works without AutoVM.
+    model.fit(*data(8), epochs=1, verbose=0, callbacks=[callback])
+    assert not np.array_equal(before, model.predict(x, verbose=0))
+
+
+def test_no_gpu_warns_and_changes_nothing():
+    if keras_autovm.mechanisms.get().gpu_available():
+        pytest.skip("a GPU is present")
+    reference = train(small_cnn)
+    callback = keras_autovm.AutoVM(budget="1MiB", verbose=0)
+    # Recorded, not pytest.warns: torch's numpy interop warns here as well.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = train(small_cnn, [callback])
+    assert any(w.category is UserWarning and "no GPU" in str(w.message)
+               for w in caught)
+    assert callback.report is None
+    assert_same_weights(reference, model, exact=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"budget": "16 gigs"}, "budget='16 gigs'"),
+    ({"budget": -1}, "budget=-1"),
+    ({"budget": 2.0}, "budget=2.0"),
+    ({"policy": "magic"}, "policy='magic'"),
+    ({"verbose": 3}, "verbose=3"),
+    ({"profile_steps": 0}, "profile_steps=0"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        keras_autovm.AutoVM(**kwargs)
+
+
+def test_report_is_written(tmp_path):
+    callback = autovm(policy="sqrt_recompute", report_dir=str(tmp_path))
+    train(small_cnn, [callback])
+    assert (tmp_path / "report.json").stat().st_size > 0
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(callback.report.epochs) == 2
+    lines = []
+    callback.report.summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "recompute" in text and "AutoVM epoch 2" in text

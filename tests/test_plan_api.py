@@ -1,0 +1,56 @@
+import keras
+import pytest
+
+import keras_autovm
+from conftest import BACKEND, skip_model, small_cnn
+
+
+def test_plan_summary_lists_every_tagged_output():
+    model = skip_model()
+    plan = keras_autovm.plan(model, batch_size=32, budget="1GiB")
+    lines = []
+    plan.summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    for layer in ("stem", "a1", "add1", "cat", "head"):
+        assert layer in text
+    assert "peak" in text.lower()
+
+
+def test_tight_budget_uses_less_memory_than_keep_all():
+    model = small_cnn()
+    keep = keras_autovm.plan(model, 64, budget=2**40, policy="keep_all")
+    tight = keras_autovm.plan(model, 64, budget=int(keep.result.peak_bytes * 0.8))
+    assert tight.result.peak_bytes <= keep.result.peak_bytes * 0.8
+    actions = set(tight.actions.values())
+    assert actions - {"keep"}
+    if BACKEND != "jax":
+        assert "swap" not in actions
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    with pytest.raises(keras_autovm.PlanError) as info:
+        keras_autovm.plan(small_cnn(), 64, budget="1KiB")
+    assert info.value.min_budget > 1024
+    assert "smallest feasible budget" in str(info.value)
+    # The stated minimum is feasible.
+    plan = keras_autovm.plan(small_cnn(), 64, budget=info.value.min_budget)
+    assert plan.result.peak_bytes <= info.value.min_budget
+
+
+def test_unbuilt_model_is_rejected():
+    model = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="built|build"):
+        keras_autovm.plan(model, 8, budget="1GiB")
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, "8", True])
+def test_bad_batch_size(batch_size):
+    with pytest.raises(ValueError, match="batch_size"):
+        keras_autovm.plan(small_cnn(), batch_size, budget="1GiB")
+
+
+def test_relative_budget_without_gpu():
+    if keras_autovm.mechanisms.get().gpu_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="no GPU"):
+        keras_autovm.plan(small_cnn(), 8, budget=0.5)
