@@ -33,10 +33,13 @@ class AutoVM(keras.callbacks.Callback):
     model and replans when the measurements move, and reports at the end.
 
     What each Keras backend can carry out: JAX keeps, swaps (XLA host
-    offloading) and recomputes (`jax.checkpoint`); TensorFlow and torch keep
-    and recompute (`tf.recompute_grad`, `torch.utils.checkpoint`). A plan
-    that needs an action the backend lacks is not chosen by `"auto"`, and
-    asking for it by name raises `NotImplementedError`.
+    offloading) and recomputes (`jax.checkpoint`); TensorFlow keeps,
+    recomputes (`tf.recompute_grad`) and, once
+    `keras_autovm.enable_managed_memory()` has been called, swaps by moving
+    the pages of managed memory on a dedicated CUDA stream; torch keeps and
+    recomputes (`torch.utils.checkpoint`). A plan that needs an action the
+    backend lacks is not chosen by `"auto"`, and asking for it by name
+    raises `NotImplementedError`.
 
     Without a GPU there is no device memory to manage: AutoVM warns and
     leaves training unchanged, unless `apply_without_gpu=True` (for tests
@@ -127,6 +130,9 @@ class AutoVM(keras.callbacks.Callback):
             batch_size=self.batch_size or _fit_batch_size())
         self._clone = wrapping.wrap(self.model, self._runtime)
         self._mechanism.install(self.model, self._runtime)
+        change = self._mechanism.prepare(self.model)
+        if change and self.verbose:
+            print(change)
         self.model.make_train_function(force=True)
         self._mechanism.reset_peak()
         self._active = True
@@ -207,8 +213,12 @@ class AutoVM(keras.callbacks.Callback):
         self._active = False
         if self._runtime.plan is None:
             return
+        stats = dict(self._runtime.stats)
+        moved = self._mechanism.moved_bytes()
+        if moved is not None:
+            stats.update({f"measured_bytes_{k}": v for k, v in moved.items()})
         self.report = report_lib.Report(self._runtime.plan.plan, self._epochs,
-                                        self._budget_bytes, self._runtime.stats)
+                                        self._budget_bytes, stats)
         if self.verbose:
             self.report.summary()
         if self.report_dir:

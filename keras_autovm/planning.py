@@ -58,4 +58,4 @@ def plan_graph(graph, budget_bytes, policy, cost, mechanism):
     """Plans a prepared graph with the actions `mechanism` can carry out."""
     return planner.make_plan(graph, budget_bytes, policy=policy,
                              cost=cost or planner.CostModel(),
-                             allowed=mechanism.ACTIONS)
+                             allowed=mechanism.actions())

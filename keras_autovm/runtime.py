@@ -33,9 +33,11 @@ class Runtime:
         self._plans = {}
         self.plan = None
         self._stash = {}
+        self._swapped = {}
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0,
-                      "checkpointed_traces": 0}
+                      "checkpointed_traces": 0, "evicts_inserted": 0,
+                      "prefetches_inserted": 0}
 
     def reset(self, make_plan=None):
         """Forgets the plans (to replan after calibration)."""
@@ -75,13 +77,46 @@ class Runtime:
         """Runs `wrapper`'s layer in training, applying the plan."""
         name = wrapper.layer.name
         applied = self.plan_for(_batch_size(inputs))
-        if name in self._stash:
-            return self._stash.pop(name)
         segment = (applied.segment_starting.get(name)
                    if applied and self.mechanism.REPLAYS_SEGMENTS else None)
-        if segment and not args and set(kwargs) <= {"training"}:
-            return self._run_segment(segment, inputs, training)
-        return self._tag(wrapper.layer, wrapper.layer(inputs, *args, **kwargs))
+        if name in self._stash:
+            outputs = self._stash.pop(name)
+        elif segment and not args and set(kwargs) <= {"training"}:
+            outputs = self._run_segment(segment, inputs, training)
+        else:
+            outputs = self._tag(wrapper.layer, wrapper.layer(inputs, *args, **kwargs))
+        if applied and applied.swaps and self.mechanism.SWAPS_BY_OPS:
+            outputs = self._move_pages(name, outputs, applied)
+        return outputs
+
+    def _move_pages(self, name, outputs, applied):
+        """Evicts swapped inputs after their last forward reader and arms the
+        backward prefetches this layer triggers.
+
+        Both ops pass `outputs` through, so everything downstream depends on
+        them: an evict runs after the read it follows, and a prefetch fires
+        when the backward pass reaches this layer's output gradient.
+        """
+        if applied.uses.get(name):
+            self._swapped[name] = [outputs, applied.uses[name]]
+        evict = [self._use(t) for t in applied.evict_after.get(name, ())]
+        if evict:
+            outputs = self.mechanism.evict(outputs, evict)
+            self.stats["evicts_inserted"] += len(evict)
+        # A skip connection can put the trigger before the last forward
+        # reader, so references are dropped after their last use, not first.
+        fetch = [self._use(t) for t in applied.prefetch_at.get(name, ())]
+        if fetch:
+            outputs = self.mechanism.prefetch_on_backward(outputs, fetch)
+            self.stats["prefetches_inserted"] += len(fetch)
+        return outputs
+
+    def _use(self, tag):
+        entry = self._swapped[tag]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._swapped[tag]
+        return entry[0]
 
     def _tag(self, layer, outputs):
         names = graph_lib.tag_names(layer)
@@ -107,9 +142,14 @@ class _Applied:
     def __init__(self, plan):
         self.actions = dict(plan.actions)
         self.plan = plan
-        self.segment_starting = {seg[0]: tuple(seg) for seg in plan.segments
-                                 if len(seg) > 1}
+        segments = [tuple(seg) for seg in plan.segments if len(seg) > 1]
+        self.segment_starting = {seg[0]: seg for seg in segments}
         self.changes_anything = any(a != "keep" for a in self.actions.values())
+        self.swaps = set(self.names("swap"))
+        self.evict_after, self.prefetch_at = _page_moves(plan, segments)
+        moves = [t for ts in self.evict_after.values() for t in ts]
+        moves += [t for ts in self.prefetch_at.values() for t in ts]
+        self.uses = {t: moves.count(t) for t in self.swaps}
 
     def names(self, action):
         """The tags whose action is `action`."""
@@ -147,6 +187,30 @@ class _Segment:
                 x = layer(x, **_accepted(layer, self.kwargs))
                 outputs.append(x)
         return tuple(outputs)
+
+
+def _page_moves(plan, segments):
+    """Where each swapped tensor is evicted and its prefetch triggered.
+
+    Only a segment's last output carries gradient (the others are handed to
+    layers that ignore them), so duties of a layer inside a recompute
+    segment move to the segment's last layer.
+    """
+    owner = {op: seg[-1] for seg in segments for op in seg}
+    index = plan.graph.op_index
+    tensors = plan.graph.tensor_map
+    evict_after, prefetch_at = {}, {}
+    for tag, action in plan.actions.items():
+        if action != "swap":
+            continue
+        readers = tensors[tag].fwd_readers
+        if readers:
+            last = max(readers, key=index.__getitem__)
+            evict_after.setdefault(owner.get(last, last), []).append(tag)
+        trigger = plan.prefetch.get(tag)
+        if trigger is not None:
+            prefetch_at.setdefault(owner.get(trigger, trigger), []).append(tag)
+    return evict_after, prefetch_at
 
 
 def _accepted(layer, kwargs):

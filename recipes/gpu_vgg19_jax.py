@@ -126,7 +126,8 @@ class StepTimer:
 
 def child(args):
     try:
-        result = run_variant(args.variant, args.batch, args.steps, args.budget)
+        budget = float(args.budget) if args.budget else None
+        result = run_variant(args.variant, args.batch, args.steps, budget)
         result["status"] = "ok"
     except Exception as error:  # noqa: BLE001 - report every failure kind
         text = f"{type(error).__name__}: {error}"
@@ -135,22 +136,24 @@ def child(args):
     print("RESULT " + json.dumps(result))
 
 
-def spawn(variant, args, fraction):
+def spawn(variant, args, fraction, budget=None):
     env = dict(os.environ, KERAS_BACKEND="jax")
     if fraction:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
+    if variant == "equivalence":  # Same convolution algorithms both times.
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
     cmd = [sys.executable, __file__, "--child", "--variant", variant,
            "--batch", str(args.batch), "--steps", str(args.steps)]
-    if args.budget:
-        cmd += ["--budget", args.budget]
+    if budget:
+        cmd += ["--budget", budget]
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     result = json.loads(lines[-1][7:]) if lines else {
         "status": "crashed", "returncode": proc.returncode}
-    result.update(variant=variant, mem_fraction=fraction, wall_s=time.time() - start,
-                  log_tail=(proc.stdout + proc.stderr)[-3000:])
+    result.update(variant=variant, mem_fraction=fraction, budget=budget,
+                  wall_s=time.time() - start, log_tail=(proc.stdout + proc.stderr)[-3000:])
     print(f"{variant}: {result['status']} ({result['wall_s']:.0f} s)", flush=True)
     return result
 
@@ -158,9 +161,13 @@ def spawn(variant, args, fraction):
 def versions():
     import jax
     import keras
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                          "--format=csv,noheader"], capture_output=True, text=True)
-    return {"gpu": smi.stdout.strip(), "jax": jax.__version__,
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip()
+    except FileNotFoundError:
+        smi = "no GPU (nvidia-smi not found)"
+    return {"gpu": smi, "jax": jax.__version__,
             "keras": keras.__version__, "python": platform.python_version()}
 
 
@@ -172,8 +179,11 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fraction", type=float, default=0.15,
                         help="XLA_PYTHON_CLIENT_MEM_FRACTION for the capped runs")
-    parser.add_argument("--budget", default=None,
-                        help="AutoVM budget; default: the capped allocator's limit")
+    parser.add_argument("--budget", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budgets", default="1.0,0.8,0.65",
+                        help="AutoVM budgets (fractions of the capped limit) tried "
+                        "in turn until one trains: the planner cannot see XLA's "
+                        "scratch buffers, so its first estimate may be short")
     parser.add_argument("--timeout", type=int, default=240)
     parser.add_argument("--variants", default="equivalence,incore_uncapped,"
                         "incore_capped,autovm_capped,remat_capped")
@@ -188,7 +198,17 @@ def main():
                "versions": versions(), "runs": {}}
     for variant in args.variants.split(","):
         fraction = None if variant in ("incore_uncapped", "equivalence") else args.fraction
-        results["runs"][variant] = spawn(variant, args, fraction)
+        if variant == "autovm_capped":
+            attempts = []
+            for budget in args.budgets.split(","):
+                attempts.append(spawn(variant, args, fraction, budget))
+                if attempts[-1]["status"] != "oom":
+                    break
+            results["runs"][variant] = dict(attempts[-1], attempts=[
+                {k: a.get(k) for k in ("budget", "status", "error", "wall_s")}
+                for a in attempts])
+        else:
+            results["runs"][variant] = spawn(variant, args, fraction)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

@@ -1,7 +1,13 @@
 """One small module per Keras backend, behind the same function names.
 
 Each backend module provides:
-- `ACTIONS`: the plan actions it can carry out.
+- `actions()`: the plan actions it can carry out now.
+- `SWAPS_BY_OPS`: whether swaps are carried out by page-moving ops that
+  the runtime inserts after layers (TensorFlow managed memory), with
+  `evict(data, targets)`, `prefetch_on_backward(data, targets)` and
+  `moved_bytes()`.
+- `prepare(model)`: adjusts the model for the mechanism; returns a message
+  saying what it changed, or `None`.
 - `REPLAYS_SEGMENTS`: whether recompute means replaying plan segments
   through `recompute` (TensorFlow, torch) rather than a policy (JAX).
 - `gpu_available()`, `device_memory()`, `peak_memory()`, `reset_peak()`.

@@ -9,7 +9,20 @@ from jax.ad_checkpoint import checkpoint_name
 
 # Recompute is the checkpoint policy's: XLA replays what is not saved.
 REPLAYS_SEGMENTS = False
-ACTIONS = ("keep", "swap", "recompute")
+SWAPS_BY_OPS = False
+_ACTIONS = ("keep", "swap", "recompute")
+
+
+def actions():
+    return _ACTIONS
+
+
+def prepare(model):
+    return None
+
+
+def moved_bytes():
+    return None
 
 
 def gpu_available():

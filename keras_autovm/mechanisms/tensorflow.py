@@ -1,13 +1,69 @@
-"""TensorFlow: recompute through `tf.recompute_grad` over plan segments.
+"""TensorFlow: recompute through `tf.recompute_grad` over plan segments;
+swap through the managed-memory ops of ops/: an evict after a swapped
+output's last forward reader, a prefetch issued from the backward pass of
+the op the plan picks (`keras_autovm.tf_ops`)."""
 
-Swapping needs the managed-memory ops of ops/ (see docs/mechanisms.md); until
-the callback drives them, a plan with swaps is refused here."""
+import warnings
 
 import tensorflow as tf
 
+from keras_autovm import managed
+
 # Recompute replays whole plan segments under `recompute`.
 REPLAYS_SEGMENTS = True
-ACTIONS = ("keep", "recompute")
+SWAPS_BY_OPS = True
+
+
+def actions():
+    """Keep and recompute; swap where pages can move.
+
+    Swapping needs the op library and, on a GPU, TensorFlow allocating
+    managed memory (`keras_autovm.enable_managed_memory`). Without a GPU the
+    ops are identities, so a swap plan runs (for tests and demonstrations)
+    and moves nothing.
+    """
+    if gpu_available() and not managed.managed_memory_enabled():
+        return ("keep", "recompute")
+    if _ops() is None:
+        return ("keep", "recompute")
+    return ("keep", "swap", "recompute")
+
+
+def _ops():
+    from keras_autovm import tf_ops
+    try:
+        tf_ops.load_library()
+    except ImportError as error:
+        warnings.warn(f"AutoVM cannot swap on TensorFlow: {error}", stacklevel=3)
+        return None
+    return tf_ops
+
+
+def evict(data, targets):
+    return _ops().evict(data, targets)
+
+
+def prefetch_on_backward(data, targets):
+    return _ops().prefetch_on_backward(data, targets)
+
+
+def moved_bytes():
+    """Bytes the page-moving ops evicted and prefetched (process totals)."""
+    if "swap" not in actions():
+        return None
+    counters = _ops().stats()
+    return {"evicted": counters["bytes_evicted"],
+            "prefetched": counters["bytes_prefetched"],
+            "skipped_tensors": counters["tensors_skipped"]}
+
+
+def prepare(model):
+    """XLA cannot compile the page-moving ops: turn `jit_compile` off."""
+    if "swap" in actions() and model.jit_compile:
+        model.jit_compile = False
+        return ("AutoVM set jit_compile=False: XLA cannot compile its "
+                "TensorFlow page-moving ops.")
+    return None
 
 
 def gpu_available():

@@ -7,7 +7,20 @@ import torch.utils.checkpoint
 
 # Recompute replays whole plan segments under `recompute`.
 REPLAYS_SEGMENTS = True
-ACTIONS = ("keep", "recompute")
+SWAPS_BY_OPS = False
+_ACTIONS = ("keep", "recompute")
+
+
+def actions():
+    return _ACTIONS
+
+
+def prepare(model):
+    return None
+
+
+def moved_bytes():
+    return None
 
 
 def gpu_available():

@@ -1,0 +1,68 @@
+"""Turning on TensorFlow's CUDA managed-memory (unified memory) allocator.
+
+With it, every tensor TensorFlow allocates on the GPU is CUDA managed memory:
+its pages can move to the host and back while its address stays the same,
+which is what AutoVM's TensorFlow swap (evict/prefetch ops) relies on.
+"""
+
+_state = {"enabled": False, "memory_fraction": None}
+
+
+def enable_managed_memory(memory_fraction=0.9):
+    """Makes TensorFlow allocate GPU tensors from CUDA managed memory.
+
+    Call it before TensorFlow first uses the GPU (before building or running
+    a model); the allocator cannot be changed afterwards. Then, with the
+    TensorFlow backend, `AutoVM` can plan swaps and carries them out by
+    moving the pages of each swapped layer output to host after its last
+    forward reader and back ahead of its backward reader.
+
+    Args:
+        memory_fraction: the size of TensorFlow's memory pool as a fraction of
+            the GPU's memory. Above 1 it oversubscribes the GPU: the pool is
+            larger than the device and the driver pages memory to and from
+            the host. Oversubscription can hang a GPU shared with others;
+            keep the pool within the GPU's free memory there. Defaults to
+            0.9.
+
+    Raises:
+        ValueError: `memory_fraction` is not a positive number.
+        RuntimeError: TensorFlow has already initialised the GPU.
+
+    Example:
+
+    ```python
+    import keras_autovm
+    keras_autovm.enable_managed_memory(memory_fraction=0.5)
+    # ... then build and fit the model with AutoVM.
+    ```
+    """
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
+            or memory_fraction <= 0:
+        raise ValueError("`memory_fraction` must be a positive number. "
+                         f"Received: memory_fraction={memory_fraction!r}")
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    config = tf.compat.v1.ConfigProto()
+    config.gpu_options.experimental.use_unified_memory = True
+    config.gpu_options.per_process_gpu_memory_fraction = float(memory_fraction)
+    # TensorFlow reads GPU options once, when its context is first
+    # initialised; there is no public setter, so merge into the pending one.
+    ctx = context.context()
+    if ctx._context_handle is not None:
+        raise RuntimeError(
+            "enable_managed_memory() must be called before TensorFlow "
+            "initialises the GPU (before any model is built or run); it has "
+            "already been initialised in this process.")
+    merged = tf.compat.v1.ConfigProto()
+    if ctx._config is not None:
+        merged.CopyFrom(ctx._config)
+    merged.MergeFrom(config)
+    ctx._config = merged
+    _state.update(enabled=True, memory_fraction=float(memory_fraction))
+
+
+def managed_memory_enabled():
+    """Whether `enable_managed_memory` was called in this process."""
+    return _state["enabled"]

@@ -1,0 +1,40 @@
+import keras
+import pytest
+
+import keras_autovm
+from conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
+                                reason="managed memory is TensorFlow's allocator")
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "0.5"])
+def test_bad_memory_fraction(value):
+    with pytest.raises(ValueError, match="memory_fraction"):
+        keras_autovm.enable_managed_memory(memory_fraction=value)
+
+
+def test_too_late_once_tensorflow_is_initialised():
+    import tensorflow as tf
+    tf.constant(1.0) + 1.0  # Initialises TensorFlow's devices.
+    with pytest.raises(RuntimeError, match="before TensorFlow initialises"):
+        keras_autovm.enable_managed_memory(memory_fraction=0.5)
+    assert not keras_autovm.managed.managed_memory_enabled()
+
+
+def test_swap_needs_managed_memory_on_a_gpu(monkeypatch):
+    from keras_autovm.mechanisms import tensorflow as mechanism
+    monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
+    assert "swap" not in mechanism.actions()
+    monkeypatch.setitem(keras_autovm.managed._state, "enabled", True)
+    assert "swap" in mechanism.actions()
+
+
+def test_prepare_turns_xla_off_when_swapping():
+    from keras_autovm.mechanisms import tensorflow as mechanism
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", jit_compile=True)
+    message = mechanism.prepare(model)
+    assert model.jit_compile is False
+    assert "jit_compile=False" in message
+    assert mechanism.prepare(model) is None
