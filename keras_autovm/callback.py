@@ -16,7 +16,7 @@ from keras_autovm import report as report_lib
 from keras_autovm import runtime as runtime_lib
 from keras_autovm import wrapping
 
-_POLICIES = ("auto",) + tuple(planner.POLICIES)
+_POLICIES = tuple(planner.POLICIES)
 # Replan when measured step time is off the prediction by more than this.
 _REPLAN_RATIO = 1.25
 
@@ -51,12 +51,12 @@ class AutoVM(keras.callbacks.Callback):
             GPU's memory) or `None` (all of it). Defaults to `None`.
         policy: `"auto"` (the fastest plan that fits) or one of
             `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
-            `"sqrt_recompute"`. Defaults to `"auto"`.
+            `"sqrt_recompute"`, `"sqrt_offload"`. Defaults to `"auto"`.
         verbose: 0 for silent, 1 to print the plan, a line per epoch and the
             report. Defaults to 1.
         profile_steps: steps per epoch timed to calibrate the cost model (the
-            first step after each (re)plan is skipped: it compiles).
-            Defaults to 5.
+            first step of each epoch is skipped: after a (re)plan it
+            compiles). Defaults to 5.
         report_dir: a directory to write `report.json` and `timeline.png`
             into at the end of training; `None` writes no files. The report
             is also on `callback.report`. Defaults to `None`.
@@ -64,6 +64,9 @@ class AutoVM(keras.callbacks.Callback):
             Defaults to `False`.
         cost: a `keras_autovm.planner.CostModel`; `None` uses the defaults.
             Defaults to `None`.
+        headroom: the share of `budget` kept free for memory the planner
+            does not model (framework scratch buffers, fragmentation): plans
+            must fit `budget * (1 - headroom)`. Defaults to 0.15.
         batch_size: the training batch size to plan for. `None` reads it
             from each batch, or, where the traced batch has no static size
             (TensorFlow's input pipelines), from the data `fit` was given.
@@ -79,8 +82,9 @@ class AutoVM(keras.callbacks.Callback):
 
     def __init__(self, budget=None, policy="auto", verbose=1, profile_steps=5,
                  report_dir=None, apply_without_gpu=False, cost=None,
-                 batch_size=None):
+                 headroom=planning.DEFAULT_HEADROOM, batch_size=None):
         super().__init__()
+        planning.check_headroom(headroom)
         _check_budget(budget)
         if policy not in _POLICIES:
             raise ValueError(
@@ -98,6 +102,7 @@ class AutoVM(keras.callbacks.Callback):
             raise ValueError("`batch_size` must be a positive int or None. "
                              f"Received: batch_size={batch_size!r}")
         self.budget = budget
+        self.headroom = headroom
         self.batch_size = batch_size
         self.policy = policy
         self.verbose = verbose
@@ -112,6 +117,8 @@ class AutoVM(keras.callbacks.Callback):
         self._active, self._clone, self._shown = False, None, set()
         self._times, self._epochs, self._last = [], [], None
         self._mechanism = mechanisms.get()
+        self._mechanism.uninstall(self.model)
+        wrapping.unwrap(self.model)  # Whatever a failed fit left behind.
         self._cost = self.cost or planner.CostModel()
         if not self._mechanism.gpu_available() and not self.apply_without_gpu:
             warnings.warn(
@@ -119,6 +126,7 @@ class AutoVM(keras.callbacks.Callback):
                 "training runs unchanged. Pass apply_without_gpu=True to apply "
                 "the plan anyway.", stacklevel=2)
             return
+        graph_lib.check_model(self.model)  # A clear error for subclassed models.
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
         self._graphs = {}
@@ -129,20 +137,31 @@ class AutoVM(keras.callbacks.Callback):
             self._mechanism, self._make_plan, wrapping.inner_layers(self.model),
             batch_size=self.batch_size or _fit_batch_size())
         self._clone = wrapping.wrap(self.model, self._runtime)
+        self._runtime.on_error = self._restore
         self._mechanism.install(self.model, self._runtime)
+        self._jit_compile = self.model.jit_compile
         change = self._mechanism.prepare(self.model)
         if change and self.verbose:
             print(change)
         self.model.make_train_function(force=True)
         self._mechanism.reset_peak()
         self._active = True
+        if self._runtime.batch_size:
+            # Plan now when `fit` says the batch size: a budget no plan meets
+            # fails here, before any training state is touched.
+            try:
+                self._runtime.plan_for(self._runtime.batch_size)
+            except Exception:
+                self._restore()
+                raise
 
     def _make_plan(self, batch_size):
         """Plans for `batch_size`; called by the runtime inside the first step."""
         if batch_size not in self._graphs:
             self._graphs[batch_size] = graph_lib.build_graph(self._target, batch_size)
         plan = planning.plan_graph(self._graphs[batch_size], self._budget_bytes,
-                                   self.policy, self._cost, self._mechanism)
+                                   self.policy, self._cost, self._mechanism,
+                                   self.headroom)
         if self.verbose and (batch_size, plan.policy) not in self._shown:
             self._shown.add((batch_size, plan.policy))
             print(f"\nAutoVM plan for batch size {batch_size}:")
@@ -204,13 +223,19 @@ class AutoVM(keras.callbacks.Callback):
             return True
         return False
 
+    def _restore(self):
+        """Gives the model back as it was before `on_train_begin`."""
+        self._mechanism.uninstall(self._target)
+        wrapping.unwrap(self._target, self._clone)
+        if self._target.jit_compile != self._jit_compile:
+            self._target.jit_compile = self._jit_compile
+        self._target.train_function = None  # The next fit traces without AutoVM.
+        self._active = False
+
     def on_train_end(self, logs=None):
         if not self._active:
             return
-        self._mechanism.uninstall(self.model)
-        wrapping.unwrap(self.model, self._clone)
-        self.model.train_function = None  # The next fit traces without AutoVM.
-        self._active = False
+        self._restore()
         if self._runtime.plan is None:
             return
         stats = dict(self._runtime.stats)

@@ -41,6 +41,7 @@ from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
 from keras.src.layers.pooling.base_pooling import BasePooling
 from keras.src.models.functional import Functional
 
+from keras_autovm.wrapper import AutoVMWrapper
 from keras_autovm.planner.graph import Graph
 from keras_autovm.planner.graph import OpSpec
 from keras_autovm.planner.graph import TensorSpec
@@ -298,6 +299,11 @@ def optimizer_state_bytes(optimizer, trainable_variables):
 # ---------------------------------------------------------------- internals
 
 
+def check_model(model):
+    """Raises a ValueError saying why `model`'s graph cannot be read, if so."""
+    _functional_of(model)
+
+
 def _functional_of(model):
     """The `Functional` that runs a model, or a ValueError saying why not."""
     if not isinstance(model, keras.Model):
@@ -359,6 +365,8 @@ def _build(fn, batch_size, backend):
         calls_seen[id(layer)] = call + 1
         name = op_name(layer, call)
         outputs = node.outputs
+        # A model built with AutoVMWrapper: classify by the layer inside.
+        inner = layer.layer if isinstance(layer, AutoVMWrapper) else layer
         out_names = [_tag(name, i, len(outputs)) for i in range(len(outputs))]
 
         can_swap, can_recompute, notes, op_notes = True, True, [], []
@@ -375,12 +383,12 @@ def _build(fn, batch_size, backend):
             notes.append(f"{len(outputs)} outputs: kept")
             op_notes.append("multiple outputs")
         nested = None
-        if isinstance(layer, keras.Model):
+        if isinstance(inner, keras.Model):
             can_recompute = False
             notes.append("nested model: managed as one op, not recomputed")
-            nested = _nested(layer, batch_size, backend)
+            nested = _nested(inner, batch_size, backend)
             op_notes.append(nested[2])
-        elif _is_random(layer):
+        elif _is_random(inner):
             can_recompute = False
             notes.append("random layer: recompute would draw a new mask")
 
@@ -399,7 +407,7 @@ def _build(fn, batch_size, backend):
                 can_recompute=can_recompute, note="; ".join(notes),
             )
 
-        reads_inputs, reads_outputs = backward_reads(layer, backend)
+        reads_inputs, reads_outputs = backward_reads(inner, backend)
         if reads_inputs:
             for tag in input_names:
                 tensors[tag]["bwd_readers"].append(name)
@@ -419,13 +427,13 @@ def _build(fn, batch_size, backend):
                 note="nested model's own activations: kept",
             )
         else:
-            flops = _flops(layer, node, batch_size)
-            mem_bytes = in_bytes + out_bytes + _layer_weight_bytes(layer)
+            flops = _flops(inner, node, batch_size)
+            mem_bytes = in_bytes + out_bytes + _layer_weight_bytes(inner)
         ops.append(
             OpSpec(
                 name=name, inputs=tuple(input_names), outputs=tuple(out_names),
                 flops=float(flops), mem_bytes=float(mem_bytes),
-                kind=type(layer).__name__, note="; ".join(op_notes),
+                kind=type(inner).__name__, note="; ".join(op_notes),
             )
         )
     return ops, [TensorSpec(**_freeze(t)) for t in tensors.values()]

@@ -44,6 +44,10 @@ class AutoVMWrapper(keras.layers.Wrapper):
         self.supports_masking = getattr(layer, "supports_masking", False)
         # Set by the AutoVM callback while it trains; not serialized.
         self._autovm_runtime = None
+        # (op name, output tags) in the model's graph, set by AutoVM: names
+        # of the wrapped layer when AutoVM wrapped it, of the wrapper when
+        # the user did. Strings only, so Keras tracks nothing new.
+        self._autovm_op = None
 
     def call(self, inputs, *args, training=None, mask=None, **kwargs):
         if self._inner_takes_training and training is not None:
@@ -54,6 +58,9 @@ class AutoVMWrapper(keras.layers.Wrapper):
         if runtime is None or not training:
             return self.layer(inputs, *args, **kwargs)
         return runtime.call(self, inputs, args, kwargs, training)
+
+    def compute_output_spec(self, inputs, *args, training=None, mask=None, **kwargs):
+        return self.layer.compute_output_spec(inputs, *args, **kwargs)
 
     def compute_mask(self, inputs, mask=None):
         return self.layer.compute_mask(inputs, mask)

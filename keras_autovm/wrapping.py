@@ -12,6 +12,7 @@ import functools
 import keras
 from keras.src.trainers import data_adapters
 
+from keras_autovm import graph as graph_lib
 from keras_autovm.wrapper import AutoVMWrapper
 
 
@@ -22,30 +23,33 @@ def wrap(model, runtime):
     the batch before any layer runs: an error (a budget no plan meets) then
     surfaces as itself, not re-wrapped by Keras's layer-call error handling.
     """
-    clone = keras.models.clone_model(model, clone_function=_wrap_layer)
+    sources = {}
+    clone = keras.models.clone_model(
+        model, clone_function=lambda layer: _wrap_layer(layer, sources))
     for layer in clone.layers:
         if isinstance(layer, AutoVMWrapper):
+            source = sources.get(id(layer), layer)
+            layer._autovm_op = (source.name, tuple(graph_lib.tag_names(source)))
             layer._autovm_runtime = runtime
     model.call = clone.call
     model.train_step = _planning_train_step(model, runtime)
     return clone
 
 
-def unwrap(model, clone):
-    """Undoes `wrap`."""
+def unwrap(model, clone=None):
+    """Undoes `wrap`; also clears what a failed `fit` left behind."""
     model.__dict__.pop("call", None)
     model.__dict__.pop("train_step", None)
-    for layer in clone.layers:
+    for layer in clone.layers if clone is not None else ():
         if isinstance(layer, AutoVMWrapper):
             layer._autovm_runtime = None
 
 
 def inner_layers(model):
-    """Maps layer name to layer, looking through `AutoVMWrapper`s."""
+    """Maps each op name of the model's graph to the layer to run for it."""
     layers = {}
     for layer in model.layers:
-        inner = layer.layer if isinstance(layer, AutoVMWrapper) else layer
-        layers[inner.name] = inner
+        layers[layer.name] = layer.layer if isinstance(layer, AutoVMWrapper) else layer
     return layers
 
 
@@ -56,15 +60,23 @@ def _planning_train_step(model, runtime):
     def train_step(*args):
         # JAX passes (state, data), TensorFlow and torch (data).
         x, _, _ = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(args[-1])
-        runtime.plan_for_inputs(x)
+        try:
+            runtime.plan_for_inputs(x)
+        except Exception:
+            # Keras calls no `on_train_end` when `fit` fails: restore here.
+            runtime.abort()
+            raise
         return original(*args)
 
     return train_step
 
 
-def _wrap_layer(layer):
-    if isinstance(layer, keras.layers.InputLayer):
+def _wrap_layer(layer, sources):
+    # Input layers and raw `keras.ops` calls stay as they are (kept); a
+    # wrapper the user built is reused, so its name stays the op's name.
+    if isinstance(layer, (keras.layers.InputLayer, AutoVMWrapper)) \
+            or not isinstance(layer, keras.layers.Layer):
         return layer
-    if isinstance(layer, AutoVMWrapper):
-        layer = layer.layer
-    return AutoVMWrapper(layer)
+    wrapper = AutoVMWrapper(layer)
+    sources[id(wrapper)] = layer
+    return wrapper

@@ -26,6 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # The repository root: keras_autovm.
 
 
 def run_variant(name, batch, steps, budget):

@@ -145,3 +145,65 @@ def test_report_is_written(tmp_path):
     callback.report.summary(print_fn=lines.append)
     text = "\n".join(lines)
     assert "recompute" in text and "AutoVM epoch 2" in text
+
+
+def ops_model():
+    """A functional model with raw keras.ops calls between layers."""
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    x = keras.ops.relu(x) * 2.0
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c2")(x)
+    x = keras.layers.ReLU(name="r2")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c3")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+
+
+def prewrapped_model():
+    """A model built from AutoVMWrappers, as the wrapper's docstring shows."""
+    wrap = keras_autovm.AutoVMWrapper
+    inputs = keras.Input((16, 16, 3))
+    x = wrap(keras.layers.Conv2D(8, 3, padding="same", name="c1"))(inputs)
+    x = wrap(keras.layers.ReLU(name="r1"))(x)
+    x = wrap(keras.layers.Conv2D(8, 3, padding="same", name="c2"))(x)
+    x = wrap(keras.layers.ReLU(name="r2"))(x)
+    x = wrap(keras.layers.Conv2D(8, 3, padding="same", name="c3"))(x)
+    x = wrap(keras.layers.GlobalAveragePooling2D(name="gap"))(x)
+    return keras.Model(inputs, wrap(keras.layers.Dense(4, name="head"))(x))
+
+
+@pytest.mark.parametrize("model_fn", [ops_model, prewrapped_model])
+def test_unusual_functional_models_train_like_without_autovm(model_fn):
+    reference = train(model_fn)
+    callback = autovm(policy="sqrt_recompute")
+    model = train(model_fn, [callback])
+    assert callback.report.plan.counts()["recompute"] > 0
+    if BACKEND != "jax":
+        assert callback.report.stats["segments_replayed"] > 0
+    assert_same_weights(reference, model, exact=False)
+
+
+def test_failed_fit_leaves_the_model_usable():
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = data(16)
+    with pytest.raises(keras_autovm.PlanError):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[autovm(budget=1000)])
+    assert "call" not in model.__dict__ and "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=8, verbose=0)  # Plain training works again.
+
+
+def test_subclassed_model_gets_a_clear_error():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(keras.ops.mean(x, axis=(1, 2)))
+
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data(8)
+    with pytest.raises(ValueError, match="subclassed"):
+        model.fit(x, y, verbose=0, callbacks=[autovm()])

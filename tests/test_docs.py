@@ -56,3 +56,28 @@ def test_readme_commands_exist():
         assert path in text, path
         assert (ROOT / path).is_file(), path
     assert os.access(ROOT / "tests" / "run.sh", os.R_OK)
+
+
+def _anchors(path):
+    """GitHub's heading anchors of a Markdown file."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    seen, anchors = {}, set()
+    for heading in re.findall(r"^#+\s+(.*)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_links_resolve():
+    files = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    for path in files:
+        for link in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if "://" in link:
+                continue
+            target, _, anchor = link.partition("#")
+            target = (path.parent / target).resolve() if target else path
+            assert target.is_file(), f"{path.name}: {link}"
+            if anchor:
+                assert anchor in _anchors(target), f"{path.name}: {link}"

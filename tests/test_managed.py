@@ -38,3 +38,15 @@ def test_prepare_turns_xla_off_when_swapping():
     assert model.jit_compile is False
     assert "jit_compile=False" in message
     assert mechanism.prepare(model) is None
+
+
+def test_jit_compile_is_restored_after_training():
+    import numpy as np
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              keras.layers.ReLU(), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", jit_compile=True)
+    callback = keras_autovm.AutoVM(budget="1GiB", policy="offload_all", verbose=0,
+                                   apply_without_gpu=True)
+    model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0, callbacks=[callback])
+    assert callback.report.plan.counts()["swap"] > 0
+    assert model.jit_compile is True

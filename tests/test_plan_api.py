@@ -19,7 +19,8 @@ def test_plan_summary_lists_every_tagged_output():
 def test_tight_budget_uses_less_memory_than_keep_all():
     model = small_cnn()
     keep = keras_autovm.plan(model, 64, budget=2**40, policy="keep_all")
-    tight = keras_autovm.plan(model, 64, budget=int(keep.result.peak_bytes * 0.8))
+    tight = keras_autovm.plan(model, 64, budget=int(keep.result.peak_bytes * 0.8),
+                              headroom=0)
     assert tight.result.peak_bytes <= keep.result.peak_bytes * 0.8
     actions = set(tight.actions.values())
     assert actions - {"keep"}
@@ -54,3 +55,19 @@ def test_relative_budget_without_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="no GPU"):
         keras_autovm.plan(small_cnn(), 8, budget=0.5)
+
+
+def test_headroom_keeps_a_share_of_the_budget_free():
+    model = small_cnn()
+    keep = keras_autovm.plan(model, 64, budget=2**40, policy="keep_all")
+    budget = keep.result.peak_bytes
+    assert keras_autovm.plan(model, 64, budget=budget, headroom=0).policy == "keep_all"
+    planned = keras_autovm.plan(model, 64, budget=budget, headroom=0.1)
+    assert planned.policy != "keep_all"
+    assert planned.result.peak_bytes <= budget * 0.9
+
+
+@pytest.mark.parametrize("headroom", [-0.1, 1.0, "0.1", True])
+def test_bad_headroom(headroom):
+    with pytest.raises(ValueError, match="headroom"):
+        keras_autovm.plan(small_cnn(), 8, budget="1GiB", headroom=headroom)

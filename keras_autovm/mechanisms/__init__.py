@@ -2,12 +2,17 @@
 
 Each backend module provides:
 - `actions()`: the plan actions it can carry out now.
+- `auto_actions()`: those `policy="auto"` may choose (the ones that were
+  shown to save memory where the plan says).
 - `SWAPS_BY_OPS`: whether swaps are carried out by page-moving ops that
   the runtime inserts after layers (TensorFlow managed memory), with
   `evict(data, targets)`, `prefetch_on_backward(data, targets)` and
   `moved_bytes()`.
 - `prepare(model)`: adjusts the model for the mechanism; returns a message
   saying what it changed, or `None`.
+- `REMAT_LAYERS`: whether each stateless layer runs under `recompute`
+  while a plan is applied (JAX: what a layer keeps inside is then
+  recomputed at its own backward instead of hoisted by XLA).
 - `REPLAYS_SEGMENTS`: whether recompute means replaying plan segments
   through `recompute` (TensorFlow, torch) rather than a policy (JAX).
 - `gpu_available()`, `device_memory()`, `peak_memory()`, `reset_peak()`.

@@ -11,6 +11,8 @@ from keras_autovm import managed
 
 # Recompute replays whole plan segments under `recompute`.
 REPLAYS_SEGMENTS = True
+# Whether each layer runs under `recompute` while a plan is applied.
+REMAT_LAYERS = False
 SWAPS_BY_OPS = True
 
 
@@ -55,6 +57,10 @@ def moved_bytes():
     return {"evicted": counters["bytes_evicted"],
             "prefetched": counters["bytes_prefetched"],
             "skipped_tensors": counters["tensors_skipped"]}
+
+
+def auto_actions():
+    return actions()
 
 
 def prepare(model):

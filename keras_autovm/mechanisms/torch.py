@@ -7,12 +7,18 @@ import torch.utils.checkpoint
 
 # Recompute replays whole plan segments under `recompute`.
 REPLAYS_SEGMENTS = True
+# Whether each layer runs under `recompute` while a plan is applied.
+REMAT_LAYERS = False
 SWAPS_BY_OPS = False
 _ACTIONS = ("keep", "recompute")
 
 
 def actions():
     return _ACTIONS
+
+
+def auto_actions():
+    return actions()
 
 
 def prepare(model):
