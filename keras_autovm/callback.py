@@ -62,8 +62,9 @@ class AutoVM(keras.callbacks.Callback):
             is also on `callback.report`. Defaults to `None`.
         apply_without_gpu: apply the plan even with no GPU present.
             Defaults to `False`.
-        cost: a `keras_autovm.planner.CostModel`; `None` uses the defaults.
-            Defaults to `None`.
+        cost: a `keras_autovm.planner.CostModel`; `None` probes the GPU
+            link once (native helper) for its bandwidths, or uses the
+            defaults. Defaults to `None`.
         headroom: the share of `budget` kept free for memory the planner
             does not model (framework scratch buffers, fragmentation): plans
             must fit `budget * (1 - headroom)`. Defaults to 0.15.
@@ -119,7 +120,6 @@ class AutoVM(keras.callbacks.Callback):
         self._mechanism = mechanisms.get()
         self._mechanism.uninstall(self.model)
         wrapping.unwrap(self.model)  # Whatever a failed fit left behind.
-        self._cost = self.cost or planner.CostModel()
         if not self._mechanism.gpu_available() and not self.apply_without_gpu:
             warnings.warn(
                 "AutoVM found no GPU: there is no device memory to manage, so "
@@ -127,6 +127,7 @@ class AutoVM(keras.callbacks.Callback):
                 "the plan anyway.", stacklevel=2)
             return
         graph_lib.check_model(self.model)  # A clear error for subclassed models.
+        self._cost = self.cost or planning.measured_cost(self._mechanism)
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
         self._graphs = {}

@@ -1,7 +1,9 @@
 """`plan()`: a dry run of AutoVM's planning for a model, before training."""
 
+import functools
 import math
 import numbers
+import warnings
 
 from keras_autovm import graph as graph_lib
 from keras_autovm import mechanisms
@@ -63,7 +65,45 @@ def plan(model, batch_size, budget=None, policy="auto", cost=None,
     mechanism = mechanisms.get()
     budget_bytes = parse_budget(budget, mechanism.device_memory())
     return plan_graph(graph_lib.build_graph(model, int(batch_size)),
-                      budget_bytes, policy, cost, mechanism, headroom)
+                      budget_bytes, policy, cost or measured_cost(mechanism),
+                      mechanism, headroom)
+
+
+def measured_cost(mechanism):
+    """A cost model whose link bandwidths were measured on this GPU.
+
+    With a GPU and the native helper, the link is probed once per process
+    (small buffers, well inside free memory): pinned copies for mechanisms
+    that copy (JAX's offloads), managed-memory prefetches for those that
+    move pages (TensorFlow managed memory). Otherwise the defaults.
+    """
+    if not mechanism.gpu_available():
+        return planner.CostModel()
+    probe = _link_probe()
+    if probe is None:
+        return planner.CostModel()
+    return cost_from_probe(probe, pages=mechanism.SWAPS_BY_OPS)
+
+
+def cost_from_probe(probe, pages):
+    """A `CostModel` with the median bandwidths of a native `link_probe`."""
+    kind = "managed_prefetch" if pages else "pinned"
+    return planner.CostModel(
+        d2h_bytes_per_s=probe[f"{kind}_d2h"]["median"] * 1e9,
+        h2d_bytes_per_s=probe[f"{kind}_h2d"]["median"] * 1e9)
+
+
+@functools.lru_cache(maxsize=None)
+def _link_probe():
+    from keras_autovm import native
+    if not native.available():
+        return None
+    try:
+        return native.native.link_probe(nbytes=64 << 20, repeats=3, device=0)
+    except RuntimeError as error:
+        warnings.warn(f"AutoVM could not probe the GPU link, so it plans with "
+                      f"default bandwidths: {error}", stacklevel=3)
+        return None
 
 
 def check_headroom(headroom):
