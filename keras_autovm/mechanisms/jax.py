@@ -24,7 +24,7 @@ def auto_actions():
 
     XLA carries out the offloads (weights stay identical) but, measured on
     VGG-19 (results/gpu_vgg19_memory.json), its buffer assignment keeps the
-    device footprint far above the plan (offload_all: 17.9 GiB on device for
+    device footprint far above the plan (offload_all: 17.57 GiB on device for
     a planned 8.3 GiB), so a swap plan would not fit where it says it does.
     """
     return ("keep", "recompute")
