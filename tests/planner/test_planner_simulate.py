@@ -254,11 +254,16 @@ def test_500_op_chain_is_fast():
     every_20th_kept = {t.name: "recompute" for t in g.tensors[:-1]
                        if int(t.name[1:]) % 20}
     plans = [{}, {t.name: "swap" for t in g.tensors}, every_20th_kept]
-    start = time.perf_counter()
-    for actions in plans:
-        simulate(g, actions)
-    # About 5 ms each on a laptop; the bound is loose for slow CI.
-    assert (time.perf_counter() - start) / len(plans) < 0.1
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for actions in plans:
+            simulate(g, actions)
+        rounds.append((time.perf_counter() - start) / len(plans))
+    # About 7 ms each here. The best of five rounds, against a bound that a
+    # quadratic simulator would miss by far: other work on a 2-core CI
+    # machine (torch's spinning threads) slowed single rounds 20x.
+    assert min(rounds) < 0.25
 
 
 def test_long_recompute_chain_has_no_recursion_limit():
