@@ -209,17 +209,14 @@ class AutoVM(keras.callbacks.Callback):
         if abs(math.log(ratio)) < math.log(_REPLAN_RATIO):
             return False
         self._cost = self._cost.scaled(ratio)
-        old = dict(plan.actions)
-        self._runtime.reset()
-        self._runtime.plan = None
-        batch_size = plan.graph.batch_size
         try:
-            new = self._runtime.plan_for(batch_size).plan
+            new = self._make_plan(plan.graph.batch_size)
         except planner.PlanError as error:
             warnings.warn(f"AutoVM kept its plan: replanning failed: {error}",
                           stacklevel=2)
             return False
-        if new.actions != old:
+        self._runtime.replace(new)
+        if new.actions != plan.actions:
             self.model.make_train_function(force=True)
             return True
         return False

@@ -12,8 +12,6 @@ import contextlib
 
 import keras
 
-from keras_autovm import graph as graph_lib
-
 
 class Runtime:
     """Plans and applies them, for one wrapped model.
@@ -40,10 +38,10 @@ class Runtime:
                       "checkpointed_traces": 0, "evicts_inserted": 0,
                       "prefetches_inserted": 0}
 
-    def reset(self, make_plan=None):
-        """Forgets the plans (to replan after calibration)."""
-        self._make_plan = make_plan or self._make_plan
+    def replace(self, plan):
+        """Applies `plan` from now on; other batch sizes are planned anew."""
         self._plans = {}
+        self._add(plan.graph.batch_size, plan)
 
     def plan_for(self, batch_size):
         """The plan for `batch_size`, made on first use; `None` if unknown."""
@@ -51,11 +49,13 @@ class Runtime:
         if batch_size is None:
             return self.plan
         if batch_size not in self._plans:
-            self._plans[batch_size] = _Applied(self._make_plan(batch_size),
-                                               runnable=self._layers)
+            self._add(batch_size, self._make_plan(batch_size))
+        return self._plans[batch_size]
+
+    def _add(self, batch_size, plan):
+        self._plans[batch_size] = _Applied(plan, runnable=self._layers)
         # Reports show the plan of the full batch, not of a last partial one.
         self.plan = self._plans[max(self._plans)]
-        return self._plans[batch_size]
 
     def plan_for_inputs(self, inputs):
         """The plan for a batch of model inputs; fails if its size is unknown."""
@@ -82,8 +82,7 @@ class Runtime:
 
     def call(self, wrapper, inputs, args, kwargs, training):
         """Runs `wrapper`'s layer in training, applying the plan."""
-        name, tags = wrapper._autovm_op or (
-            wrapper.layer.name, tuple(graph_lib.tag_names(wrapper.layer)))
+        name, tags = wrapper._autovm_op
         applied = self.plan_for(_batch_size(inputs))
         segment = (applied.segment_starting.get(name)
                    if applied and self.mechanism.REPLAYS_SEGMENTS else None)
@@ -127,8 +126,9 @@ class Runtime:
         inside for its backward (the pre-activation of a fused ReLU, say)
         is recomputed from its input right before its own backward, as the
         planner assumes: measured on VGG-19 (results/gpu_vgg19_memory.json),
-        XLA's own choice keeps about twice the planned bytes. Layers with state (batch norm) are left alone: their
-        updates may not leave a `jax.checkpoint`.
+        XLA's own choice keeps about twice the planned bytes. Layers with
+        state (batch norm) are left alone: their updates may not leave a
+        `jax.checkpoint`.
         """
         if (applied is None or not self.mechanism.REMAT_LAYERS
                 or layer.non_trainable_variables):
