@@ -1,10 +1,10 @@
 """Build hooks of keras-autovm: compile the native libraries into the package.
 
 Metadata lives in pyproject.toml / setup.cfg; this file only adds the compile
-step (keras_autovm/_build.py) to `build_py`, so that
+step (keras_autovm/native/build.py) to `build_py`, so that
 
-    pip install --no-build-isolation .      # into build/lib/keras_autovm/
-    pip install --no-build-isolation -e .   # into keras_autovm/ (in place)
+    pip install --no-build-isolation .      # into build/lib/keras_autovm/native/
+    pip install --no-build-isolation -e .   # into keras_autovm/native/ (in place)
 
 compile `_autovm_ops.so` against the TensorFlow installed in the build
 environment (hence --no-build-isolation), and `_autovm_native*.so` for the
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 def _load_build_module():
     # By path: the package itself may not be importable while it is built.
     spec = importlib.util.spec_from_file_location(
-        "_keras_autovm_build", ROOT / "keras_autovm" / "_build.py"
+        "_keras_autovm_build", ROOT / "keras_autovm" / "native" / "build.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -43,9 +43,9 @@ class BuildPyWithNative(build_py):
             self.announce("KERAS_AUTOVM_SKIP_BUILD set: not compiling", level=2)
             return
         if getattr(self, "editable_mode", False):
-            out_dir = ROOT / "keras_autovm"  # Editable: next to the sources.
+            out_dir = ROOT / "keras_autovm" / "native"  # Editable: in place.
         else:
-            out_dir = Path(self.build_lib) / "keras_autovm"
+            out_dir = Path(self.build_lib) / "keras_autovm" / "native"
         build = _load_build_module()
         try:
             results = build.build_all(out_dir=out_dir, sources=ROOT / "ops")

@@ -2,13 +2,15 @@
 
     model.fit(x, y, callbacks=[keras_autovm.AutoVM(budget="16GiB")])
 
-See docs/ for the guide and the API.
+See docs/ for the guide and the API, and docs/architecture.md for where each
+concern lives.
 """
 
 from keras_autovm.callback import AutoVM
-from keras_autovm.managed import enable_managed_memory
-from keras_autovm.planner import Plan, PlanError
-from keras_autovm.planning import plan
+from keras_autovm.dry_run import plan
+from keras_autovm.mechanisms.tensorflow.managed import enable_managed_memory
+from keras_autovm.planner import Plan
+from keras_autovm.planner import PlanError
 from keras_autovm.wrapper import AutoVMWrapper
 
 __version__ = "0.1.0"

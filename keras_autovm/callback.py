@@ -1,20 +1,29 @@
-"""`AutoVM`: the Keras callback that plans and applies activation offloading."""
+"""`AutoVM`: the Keras callback that plans and applies activation offloading.
+
+The callback only decides when things happen: it checks its arguments, plans
+before training (so that a budget no plan meets fails first), has
+`patches.apply` change the model for the fit and `Patches.close` undo it,
+times the steps and writes the report. Planning is `budget.PlanBook`'s, the
+plan is applied by `runtime.Runtime` and the backend's mechanism.
+"""
+
+from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
 
 import keras
 
 from keras_autovm import budget as budget_lib
-from keras_autovm import graph as graph_lib
+from keras_autovm import calibration
+from keras_autovm import internals
 from keras_autovm import mechanisms
+from keras_autovm import patches as patches_lib
 from keras_autovm import planner
-from keras_autovm import planning
 from keras_autovm import report as report_lib
-from keras_autovm import runtime as runtime_lib
-from keras_autovm import wrapping
+from keras_autovm.model_graph import functional_of
+from keras_autovm.runtime import Runtime
 
 _POLICIES = tuple(planner.POLICIES)
 # Replan when measured step time is off the prediction by more than this.
@@ -81,23 +90,24 @@ class AutoVM(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, budget=None, policy="auto", verbose=1, profile_steps=5,
-                 report_dir=None, apply_without_gpu=False, cost=None,
-                 headroom=planning.DEFAULT_HEADROOM, batch_size=None):
+    def __init__(self, budget: int | str | float | None = None,
+                 policy: str = "auto", verbose: int = 1, profile_steps: int = 5,
+                 report_dir: str | None = None, apply_without_gpu: bool = False,
+                 cost: planner.CostModel | None = None,
+                 headroom: float = budget_lib.DEFAULT_HEADROOM,
+                 batch_size: int | None = None):
         super().__init__()
-        planning.check_headroom(headroom)
+        budget_lib.check_headroom(headroom)
         _check_budget(budget)
         if policy not in _POLICIES:
             raise ValueError(
-                f"`policy` must be one of {_POLICIES}. Received: policy={policy!r}"
-            )
+                f"`policy` must be one of {_POLICIES}. Received: policy={policy!r}")
         if verbose not in (0, 1, 2):
             raise ValueError(f"`verbose` must be 0, 1 or 2. Received: verbose={verbose!r}")
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(
                 "`profile_steps` must be a positive int. "
-                f"Received: profile_steps={profile_steps!r}"
-            )
+                f"Received: profile_steps={profile_steps!r}")
         if batch_size is not None and (not isinstance(batch_size, int)
                                        or isinstance(batch_size, bool) or batch_size < 1):
             raise ValueError("`batch_size` must be a positive int or None. "
@@ -112,81 +122,83 @@ class AutoVM(keras.callbacks.Callback):
         self.apply_without_gpu = apply_without_gpu
         self.cost = cost
         self.report = None
+        self._runtime = None
+
+    @property
+    def plan(self) -> planner.Plan | None:
+        """The plan in force (for the full batch size), or `None` before the
+        first plan is made and when AutoVM is not applied (no GPU)."""
+        if self._runtime is None or self._runtime.current is None:
+            return None
+        return self._runtime.current.plan
 
     def on_train_begin(self, logs=None):
         # Allow reuse across fit calls.
-        self._active, self._clone, self._shown = False, None, set()
+        self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._epochs, self._last = [], [], None
         self._mechanism = mechanisms.get()
-        self._mechanism.uninstall(self.model)
-        wrapping.unwrap(self.model)  # Whatever a failed fit left behind.
         if not self._mechanism.gpu_available() and not self.apply_without_gpu:
             warnings.warn(
                 "AutoVM found no GPU: there is no device memory to manage, so "
                 "training runs unchanged. Pass apply_without_gpu=True to apply "
                 "the plan anyway.", stacklevel=2)
             return
-        graph_lib.check_model(self.model)  # A clear error for subclassed models.
-        self._cost = self.cost or planning.measured_cost(self._mechanism)
+        # Our own reference: on JAX, reading `self.model` inside a traced step
+        # syncs training state back into the model.
+        self._target = self.model
+        functional_of(self._target)  # A clear error for subclassed models.
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
-        self._graphs = {}
-        # Planning runs inside traced steps, where `self.model` must not be
-        # read: on JAX it syncs training state back into the model.
-        self._target = self.model
-        self._runtime = runtime_lib.Runtime(
-            self._mechanism, self._make_plan, wrapping.inner_layers(self.model),
-            batch_size=self.batch_size or _fit_batch_size())
-        self._clone = wrapping.wrap(self.model, self._runtime)
-        self._runtime.on_error = self._restore
-        self._mechanism.install(self.model, self._runtime)
-        self._jit_compile = self.model.jit_compile
-        change = self._mechanism.prepare(self.model)
-        if change and self.verbose:
-            print(change)
-        self.model.make_train_function(force=True)
-        self._mechanism.reset_peak()
-        self._active = True
+        fit = internals.running_fit()
+        plans = budget_lib.PlanBook(
+            self._target, self._budget_bytes, self.headroom, self.policy,
+            self.cost or calibration.measured_cost(self._mechanism),
+            self._mechanism, announce=self._announce if self.verbose else None)
+        self._runtime = Runtime(
+            self._mechanism, plans, patches_lib.inner_layers(self._target),
+            batch_size=self.batch_size
+            or internals.batch_size_of(fit.get("epoch_iterator")))
         if self._runtime.batch_size:
             # Plan now when `fit` says the batch size: a budget no plan meets
-            # fails here, before any training state is touched.
-            try:
-                self._runtime.plan_for(self._runtime.batch_size)
-            except Exception:
-                self._restore()
-                raise
+            # fails here, before anything is changed.
+            self._runtime.plan_for(self._runtime.batch_size)
+        self._mechanism.reset_peak()
+        self._patches = patches_lib.guard_fit(fit)
+        self._applied = False
 
-    def _make_plan(self, batch_size):
-        """Plans for `batch_size`; called by the runtime inside the first step."""
-        if batch_size not in self._graphs:
-            self._graphs[batch_size] = graph_lib.build_graph(self._target, batch_size)
-        plan = planning.plan_graph(self._graphs[batch_size], self._budget_bytes,
-                                   self.policy, self._cost, self._mechanism,
-                                   self.headroom)
-        if self.verbose and (batch_size, plan.policy) not in self._shown:
-            self._shown.add((batch_size, plan.policy))
-            print(f"\nAutoVM plan for batch size {batch_size}:")
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._patches is None or self._applied:
+            return
+        self._applied = True
+        message = patches_lib.apply(self._target, self._runtime, self._mechanism,
+                                    self._patches)
+        if message and self.verbose:
+            print(message)
+
+    def _announce(self, plan):
+        if (plan.graph.batch_size, plan.policy) not in self._shown:
+            self._shown.add((plan.graph.batch_size, plan.policy))
+            print(f"\nAutoVM plan for batch size {plan.graph.batch_size}:")
             plan.summary()
-        return plan
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._active:
+        if self._patches is not None:
             self._last = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self._active or self._last is None:
+        if self._patches is None or self._last is None:
             return
         if logs and "loss" in logs:
             float(logs["loss"])  # Wait for the step so its time is real.
         self._times.append(time.perf_counter() - self._last)
 
     def on_epoch_end(self, epoch, logs=None):
-        if not self._active or self._runtime.plan is None:
+        if self._patches is None or self.plan is None:
             return
         # The first step of a plan compiles; time the ones after it.
         timed = self._times[1:1 + self.profile_steps]
         measured = sorted(timed)[len(timed) // 2] if timed else None
-        plan = self._runtime.plan.plan
+        plan = self.plan
         record = {"epoch": epoch, "policy": plan.policy, "steps": len(self._times),
                   "step_time": measured, "predicted_step_time": plan.result.step_time,
                   "peak_bytes": self._mechanism.peak_memory(),
@@ -208,63 +220,37 @@ class AutoVM(keras.callbacks.Callback):
         ratio = measured / max(plan.result.step_time, 1e-12)
         if abs(math.log(ratio)) < math.log(_REPLAN_RATIO):
             return False
-        self._cost = self._cost.scaled(ratio)
+        plans = self._runtime.plans
+        plans.cost = plans.cost.scaled(ratio)
         try:
-            new = self._make_plan(plan.graph.batch_size)
+            new = plans.plan(plan.graph.batch_size)
         except planner.PlanError as error:
             warnings.warn(f"AutoVM kept its plan: replanning failed: {error}",
                           stacklevel=2)
             return False
         self._runtime.replace(new)
         if new.actions != plan.actions:
-            self.model.make_train_function(force=True)
+            patches_lib.retrace(self._target, self._patches)
             return True
         return False
 
-    def _restore(self):
-        """Gives the model back as it was before `on_train_begin`."""
-        self._mechanism.uninstall(self._target)
-        wrapping.unwrap(self._target, self._clone)
-        if self._target.jit_compile != self._jit_compile:
-            self._target.jit_compile = self._jit_compile
-        self._target.train_function = None  # The next fit traces without AutoVM.
-        self._active = False
-
     def on_train_end(self, logs=None):
-        if not self._active:
+        if self._patches is None:
             return
-        self._restore()
-        if self._runtime.plan is None:
+        self._patches.close()
+        self._patches = None
+        if self.plan is None:
             return
-        stats = dict(self._runtime.stats)
+        stats = dict(self._runtime.stats, **self._mechanism.stats)
         moved = self._mechanism.moved_bytes()
         if moved is not None:
             stats.update({f"measured_bytes_{k}": v for k, v in moved.items()})
-        self.report = report_lib.Report(self._runtime.plan.plan, self._epochs,
+        self.report = report_lib.Report(self.plan, self._epochs,
                                         self._budget_bytes, stats)
         if self.verbose:
             self.report.summary()
         if self.report_dir:
             self.report.save(self.report_dir)
-
-
-def _fit_batch_size():
-    """The batch size of the `fit` call running this callback, if it says.
-
-    Keras gives callbacks no batch size, and TensorFlow traces the training
-    step with an unknown batch dimension; the data adapter of `fit`'s epoch
-    iterator knows it (None for datasets of unknown batch size).
-    """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return None
-        iterator = frame.f_locals.get("epoch_iterator")
-        adapter = getattr(iterator, "data_adapter", None)
-        if adapter is not None:
-            return adapter.batch_size
-        frame = frame.f_back
-    return None
 
 
 def _check_budget(budget):

@@ -47,7 +47,7 @@ MiB = 1 << 20
 
 def _load_build():
     spec = importlib.util.spec_from_file_location(
-        "_keras_autovm_build", os.path.join(ROOT, "keras_autovm", "_build.py"))
+        "_keras_autovm_build", os.path.join(ROOT, "keras_autovm", "native", "build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -253,7 +253,7 @@ def train_equivalence(size=16, channels=8, blocks=4, n=64, epochs=2):
     import numpy as np
     import tensorflow as tf
 
-    from keras_autovm import tf_ops
+    from keras_autovm.mechanisms.tensorflow import ops as tf_ops
 
     tf.config.experimental.enable_op_determinism()  # Same cuDNN algorithms.
     rng = np.random.default_rng(0)
@@ -284,7 +284,7 @@ def autovm_equivalence(size=32, n=256, epochs=2, batch=32, optimizer_passes=True
     import tensorflow as tf
 
     import keras_autovm
-    from keras_autovm import tf_ops
+    from keras_autovm.mechanisms.tensorflow import ops as tf_ops
 
     tf.config.experimental.enable_op_determinism()
     if not optimizer_passes:
@@ -331,7 +331,7 @@ def step_times(batch, size, channels, blocks, warmup, rounds, steps):
     import keras
     import numpy as np
 
-    from keras_autovm import tf_ops
+    from keras_autovm.mechanisms.tensorflow import ops as tf_ops
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, size, size, 3)).astype("float32")
@@ -444,7 +444,8 @@ def main():
         return 2
     import keras
 
-    from keras_autovm import native, tf_ops
+    from keras_autovm import native
+    from keras_autovm.mechanisms.tensorflow import ops as tf_ops
 
     res["versions"] = {"tensorflow": tf.__version__, "keras": keras.__version__,
                        "keras_backend": keras.backend.backend()}

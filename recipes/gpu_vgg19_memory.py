@@ -45,7 +45,8 @@ def analyse(model_fn, batch, policy, budget, remat=False):
                                        apply_without_gpu=True, batch_size=batch)
         callback.set_model(model)
         callback.on_train_begin()
-        plan = callback._runtime.plan_for(batch).plan
+        callback.on_epoch_begin(0)  # Applies the plan to the model.
+        plan = callback.plan
         out.update(predicted_peak=plan.result.peak_bytes, counts=plan.counts(),
                    chosen=plan.policy, predicted_step_s=plan.result.step_time)
     state = ([v.value for v in model.trainable_variables],

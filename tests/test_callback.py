@@ -209,19 +209,18 @@ def test_subclassed_model_gets_a_clear_error():
         model.fit(x, y, verbose=0, callbacks=[autovm()])
 
 
-def test_failed_replan_keeps_the_plan_in_use():
+def test_failed_replan_keeps_the_plan_in_use(monkeypatch):
     callback = autovm(policy="sqrt_recompute")
     train(small_cnn, [callback], epochs=1)
     # As if mid-training: the runtime holds the plan the traced step uses.
-    callback._active = True
-    plan = callback._runtime.plan.plan
+    plan = callback.plan
 
     def fail(batch_size):
         raise keras_autovm.PlanError("no plan", 1)
 
-    callback._make_plan = fail
+    monkeypatch.setattr(callback._runtime.plans, "plan", fail)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not callback._calibrate(plan.result.step_time * 10, plan)
     assert any("kept its plan" in str(w.message) for w in caught)
-    assert callback._runtime.plan.plan is plan
+    assert callback.plan is plan

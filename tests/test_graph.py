@@ -1,12 +1,12 @@
-"""Tests for `keras_autovm.graph`: Keras model -> planner `Graph`."""
+"""Tests for `keras_autovm.model_graph`: Keras model -> planner `Graph`."""
 
 import keras
 import numpy as np
 import pytest
 from keras import layers
 
-from keras_autovm import graph as graph_lib
-from keras_autovm.graph import build_graph
+from keras_autovm import model_graph as graph_lib
+from keras_autovm.model_graph import build_graph
 
 BACKEND = keras.backend.backend()
 F32 = 4
@@ -146,7 +146,7 @@ def test_execution_order_matches_an_eager_run():
     model(np.zeros((2, 8, 8, 3), "float32"))
     graph = build_graph(model, batch_size=2)
     assert [op.name for op in graph.ops] == ran
-    assert [layer.name for layer, _ in graph_lib.layer_outputs_order(model)] == ran
+    assert [layer.name for layer, _ in graph_lib.layer_calls(model)] == ran
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def test_unbuilt_model_raises():
     with pytest.raises(ValueError, match="not_built_yet.*not built"):
         build_graph(model, 8)
     with pytest.raises(ValueError, match="not_built_yet"):
-        graph_lib.layer_outputs_order(model)
+        graph_lib.layer_calls(model)
     model(np.zeros((2, 5), "float32"))  # calling it builds it
     assert [op.name for op in build_graph(model, 8).ops] == [model.layers[0].name]
 
@@ -252,7 +252,7 @@ def test_shared_layer_is_kept_with_a_note():
     graph = build_graph(keras.Model([a, b], out), batch_size=2)
     tensors, ops = _by_name(graph)
     assert [op.name for op in graph.ops] == ["shared", "shared@1", "add"]
-    assert graph_lib.tag_name(shared, call=1) == "shared@1"
+    assert graph_lib.tag_names(shared, call=1) == ["shared@1"]
     for name in ("shared", "shared@1"):
         assert not tensors[name].can_swap and not tensors[name].can_recompute
         assert "shared layer called 2 times" in tensors[name].note

@@ -3,6 +3,7 @@ import pytest
 
 import keras_autovm
 from conftest import BACKEND
+from keras_autovm.mechanisms.tensorflow import managed
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
                                 reason="managed memory is TensorFlow's allocator")
@@ -19,25 +20,29 @@ def test_too_late_once_tensorflow_is_initialised():
     tf.constant(1.0) + 1.0  # Initialises TensorFlow's devices.
     with pytest.raises(RuntimeError, match="before TensorFlow initialises"):
         keras_autovm.enable_managed_memory(memory_fraction=0.5)
-    assert not keras_autovm.managed.managed_memory_enabled()
+    assert not managed.managed_memory_enabled()
 
 
 def test_swap_needs_managed_memory_on_a_gpu(monkeypatch):
-    from keras_autovm.mechanisms import tensorflow as mechanism
+    mechanism = keras_autovm.mechanisms.get()
     monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
     assert "swap" not in mechanism.actions()
-    monkeypatch.setitem(keras_autovm.managed._state, "enabled", True)
+    monkeypatch.setitem(managed._state, "enabled", True)
     assert "swap" in mechanism.actions()
 
 
-def test_prepare_turns_xla_off_when_swapping():
-    from keras_autovm.mechanisms import tensorflow as mechanism
+def test_install_turns_xla_off_when_swapping_and_close_restores_it():
+    from keras_autovm.patches import Patches
+    mechanism = keras_autovm.mechanisms.get()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse", jit_compile=True)
-    message = mechanism.prepare(model)
+    patches = Patches()
+    message = mechanism.install(model, None, patches)
     assert model.jit_compile is False
     assert "jit_compile=False" in message
-    assert mechanism.prepare(model) is None
+    assert mechanism.install(model, None, patches) is None
+    patches.close()
+    assert model.jit_compile is True
 
 
 def test_jit_compile_is_restored_after_training():

@@ -1,4 +1,4 @@
-"""The pybind11 helper (ops/native/, keras_autovm/native.py) without a GPU.
+"""The pybind11 helper (ops/native/, keras_autovm/native/) without a GPU.
 
 The module is built first if absent. On a machine without a CUDA driver it
 must import, report `available() is False`, and make every function raise a
@@ -15,28 +15,28 @@ from pathlib import Path
 
 import pytest
 
-from keras_autovm import _build
+from keras_autovm.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def nat():
-    _build.build_native()
+    native_build.build_native()
     import keras_autovm.native as module  # noqa: PLC0415 -- after the build
 
     module = importlib.reload(module)  # In case it was imported before the build.
-    assert module.native is not None, module._IMPORT_ERROR
+    assert module.helper is not None, module._IMPORT_ERROR
     return module
 
 
 def _has_driver(nat):
-    return nat.native.driver_available()
+    return nat.helper.driver_available()
 
 
 def test_module_imports(nat):
-    assert nat.native.__name__ == "keras_autovm._autovm_native"
-    info = nat.native.driver_info()
+    assert nat.helper.__name__ == "keras_autovm.native._autovm_native"
+    info = nat.helper.driver_info()
     assert set(info) == {"available", "error", "version", "prefetch_entry",
                          "advise_entry"}
     assert nat.available() is info["available"]
@@ -46,7 +46,7 @@ def test_not_available_without_driver(nat):
     if _has_driver(nat):
         pytest.skip("a CUDA driver is present on this machine")
     assert nat.available() is False
-    info = nat.native.driver_info()
+    info = nat.helper.driver_info()
     assert info["available"] is False
     assert "libcuda.so.1" in info["error"] or "cuInit" in info["error"]
 
@@ -71,34 +71,32 @@ def test_functions_raise_without_driver(nat, call):
     if _has_driver(nat):
         pytest.skip("a CUDA driver is present on this machine")
     with pytest.raises(RuntimeError, match="^no CUDA driver: "):
-        call(nat.native)
+        call(nat.helper)
 
 
 def test_argument_errors_before_the_driver(nat):
     with pytest.raises(ValueError, match="nbytes must be at least 1 MiB"):
-        nat.native.link_probe(nbytes=1024)
+        nat.helper.link_probe(nbytes=1024)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
-        nat.native.link_probe(repeats=0)
+        nat.helper.link_probe(repeats=0)
     with pytest.raises(TypeError):
-        nat.native.mem_info("zero")
+        nat.helper.mem_info("zero")
 
 
 def test_native_is_none_when_the_module_is_missing(nat, monkeypatch):
-    import keras_autovm  # noqa: PLC0415
-
     # As if never built: no submodule, and importing it fails.
-    monkeypatch.delattr(keras_autovm, "_autovm_native", raising=False)
-    monkeypatch.setitem(sys.modules, "keras_autovm._autovm_native", None)
+    monkeypatch.delattr(nat, "_autovm_native", raising=False)
+    monkeypatch.setitem(sys.modules, "keras_autovm.native._autovm_native", None)
     try:
         module = importlib.reload(nat)
-        assert module.native is None
+        assert module.helper is None
         assert module.available() is False
-        with pytest.raises(ImportError, match="python -m keras_autovm._build --only native"):
+        with pytest.raises(ImportError, match="python -m keras_autovm.native.build --only native"):
             module.require()
     finally:
         monkeypatch.undo()
         importlib.reload(nat)
-    assert nat.native is not None
+    assert nat.helper is not None
 
 
 @pytest.mark.skipif(os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow",
@@ -106,14 +104,14 @@ def test_native_is_none_when_the_module_is_missing(nat, monkeypatch):
                     "it runs once, under the TensorFlow backend")
 def test_build_native_from_a_fresh_copy(tmp_path):
     shutil.copytree(ROOT / "ops", tmp_path / "ops")
-    shutil.copy(ROOT / "keras_autovm" / "_build.py", tmp_path / "_build.py")
+    shutil.copy(ROOT / "keras_autovm" / "native" / "build.py", tmp_path / "build.py")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "_build.py"), "--out", str(out),
+        [sys.executable, str(tmp_path / "build.py"), "--out", str(out),
          "--sources", str(tmp_path / "ops"), "--only", "native"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    built = out / _build.native_library_name()
+    built = out / native_build.native_library_name()
     assert built.is_file()
     proc = subprocess.run(
         [sys.executable, "-c",
@@ -127,9 +125,9 @@ def test_build_failure_of_the_native_module_is_a_warning(tmp_path, monkeypatch):
     # A compiler that always fails: build_all warns for the optional module.
     shutil.copytree(ROOT / "ops", tmp_path / "ops")
     monkeypatch.setenv("CXX", "false")
-    monkeypatch.setattr(_build, "build_tf_ops", lambda *args, **kwargs: "stub")
+    monkeypatch.setattr(native_build, "build_tf_ops", lambda *args, **kwargs: "stub")
     with pytest.warns(UserWarning, match="optional native helper"):
-        results = _build.build_all(out_dir=tmp_path / "out",
+        results = native_build.build_all(out_dir=tmp_path / "out",
                                    sources=tmp_path / "ops")
     assert results == {"tf_ops": "stub", "native": results["native"]}
     assert results["native"].startswith("failed: command failed")
@@ -270,7 +268,7 @@ CUresult cuLaunchKernel(void *f, unsigned a, unsigned b, unsigned c, unsigned d,
 MOCK_SCRIPT = r"""
 import ctypes, json, os, sys
 # The module alone (importing the package would import Keras: slow).
-sys.path.insert(0, os.path.join(os.environ["MOCK_PACKAGE_ROOT"], "keras_autovm"))
+sys.path.insert(0, os.path.join(os.environ["MOCK_PACKAGE_ROOT"], "keras_autovm", "native"))
 import _autovm_native as n
 lib = ctypes.CDLL("libcuda.so.1")
 def state():
@@ -395,7 +393,7 @@ def test_mock_errors_name_the_call_and_free_everything(nat, tmp_path, failing):
 def test_mock_driver_whose_cuinit_fails(nat, tmp_path):
     _mock_run(tmp_path)  # Builds the stand-in library.
     code = ("import os, sys\n"
-            "sys.path.insert(0, os.path.join(os.environ['MOCK_PACKAGE_ROOT'], 'keras_autovm'))\n"
+            "sys.path.insert(0, os.path.join(os.environ['MOCK_PACKAGE_ROOT'], 'keras_autovm', 'native'))\n"
             "import _autovm_native as n\n"
             "print(n.driver_available())\n"
             "try:\n    n.mem_info()\nexcept RuntimeError as e:\n    print(e)\n")

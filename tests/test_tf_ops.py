@@ -1,4 +1,4 @@
-"""The TensorFlow op library (ops/tf/, keras_autovm/tf_ops.py) on the CPU.
+"""The TensorFlow op library (ops/tf/, keras_autovm/mechanisms/tensorflow/ops.py) on the CPU.
 
 CPU kernels are identities, so these tests check what must hold everywhere:
 shapes, dtypes and values pass through (the same buffer), in eager and graph
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_autovm import _build, tf_ops
+from keras_autovm.mechanisms.tensorflow import ops as tf_ops
+from keras_autovm.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ops():
     # Builds (or finds up to date) the library in the package directory.
-    _build.build_tf_ops()
+    native_build.build_tf_ops()
     return tf_ops.load_library()
 
 
@@ -263,7 +264,7 @@ def test_version_mismatch_warning_on_load(ops, tmp_path):
         import warnings
         warnings.simplefilter("always")
         import tensorflow as tf
-        from keras_autovm import tf_ops
+        from keras_autovm.mechanisms.tensorflow import ops as tf_ops
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mod = tf_ops.load_library({str(tmp_path)!r})
@@ -277,7 +278,7 @@ def test_version_mismatch_warning_on_load(ops, tmp_path):
 
 def test_missing_library_message(tmp_path):
     with pytest.raises(ImportError, match=r"was not found\. Build it with "
-                       r"`python -m keras_autovm\._build`"):
+                       r"`python -m keras_autovm\.native\.build`"):
         tf_ops.load_library(tmp_path)
 
 
@@ -285,22 +286,22 @@ def test_missing_tensorflow_message():
     proc = _subprocess("""
         import sys
         sys.modules["tensorflow"] = None  # as if not installed
-        from keras_autovm import tf_ops
+        from keras_autovm.mechanisms.tensorflow import ops as tf_ops
         try:
             tf_ops.evict(1, [])
         except ImportError as e:
             print("ERR", e)
     """, KERAS_BACKEND="jax")  # Keras itself would import TensorFlow.
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ERR keras_autovm.tf_ops needs TensorFlow, which is not installed" in proc.stdout
-    assert "python -m keras_autovm._build" in proc.stdout
+    assert "ERR keras_autovm.mechanisms.tensorflow.ops needs TensorFlow, which is not installed" in proc.stdout
+    assert "python -m keras_autovm.native.build" in proc.stdout
 
 
 def test_failed_op_build_is_an_error(tmp_path, monkeypatch):
     shutil.copytree(ROOT / "ops", tmp_path / "ops")
     monkeypatch.setenv("CXX", "false")
-    with pytest.raises(_build.BuildError, match="command failed"):
-        _build.build_all(out_dir=tmp_path / "out", sources=tmp_path / "ops")
+    with pytest.raises(native_build.BuildError, match="command failed"):
+        native_build.build_all(out_dir=tmp_path / "out", sources=tmp_path / "ops")
     assert not (tmp_path / "out" / "_autovm_ops.so").exists()
 
 
@@ -310,9 +311,9 @@ def test_failed_op_build_is_an_error(tmp_path, monkeypatch):
 def test_build_from_a_fresh_copy(tmp_path):
     # The sources and the build script alone, outside the checkout.
     shutil.copytree(ROOT / "ops", tmp_path / "ops")
-    shutil.copy(ROOT / "keras_autovm" / "_build.py", tmp_path / "_build.py")
+    shutil.copy(ROOT / "keras_autovm" / "native" / "build.py", tmp_path / "build.py")
     out = tmp_path / "out"
-    build = [sys.executable, str(tmp_path / "_build.py"), "--out", str(out),
+    build = [sys.executable, str(tmp_path / "build.py"), "--out", str(out),
              "--sources", str(tmp_path / "ops"), "--only", "tf"]
     proc = subprocess.run(build, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

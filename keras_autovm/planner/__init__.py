@@ -13,8 +13,8 @@ from .graph import TensorSpec
 from .plan import Plan
 from .plan import PlanError
 from .plan import format_bytes
-from .policies import POLICIES
-from .policies import make_plan
+from .choose import POLICIES
+from .choose import make_plan
 from .simulate import SimResult
 from .simulate import simulate
 

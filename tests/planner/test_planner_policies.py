@@ -10,7 +10,7 @@ from keras_autovm.planner import Graph
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import TensorSpec
 from keras_autovm.planner import make_plan
-from keras_autovm.planner.policies import CANDIDATES
+from keras_autovm.planner.choose import CANDIDATES
 from keras_autovm.planner.policies import chain_segments
 from planner_graphs import chain
 from planner_graphs import conv_chain

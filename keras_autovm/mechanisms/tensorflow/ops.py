@@ -1,6 +1,6 @@
 """TensorFlow ops that move CUDA managed-memory pages, and their gradients.
 
-The ops come from the compiled library `_autovm_ops.so` next to this file
+The ops come from the compiled library `keras_autovm/native/_autovm_ops.so`
 (sources in ops/tf/), loaded on first use. Each page-moving op is an identity
 on its first input, `data`, that forwards the buffer (no copy); its side
 effect, on a GPU whose tensors live in CUDA managed memory (TensorFlow's
@@ -22,7 +22,7 @@ dependencies therefore run them in program order with respect to each other
 
 Example:
 
-    from keras_autovm import tf_ops
+    from keras_autovm.mechanisms.tensorflow import ops as tf_ops
 
     y = layer2(layer1_out)
     y = tf_ops.evict(y, [layer1_out])          # layer1_out to the host
@@ -35,11 +35,11 @@ import threading
 import warnings
 from pathlib import Path
 
-from keras_autovm import _build
+from keras_autovm import native
 
-LIBRARY_NAME = _build.TF_LIBRARY
-VERSION_FILE = _build.TF_VERSION_FILE
-BUILD_COMMAND = _build.BUILD_COMMAND
+LIBRARY_NAME = native.build.TF_LIBRARY
+VERSION_FILE = native.build.TF_VERSION_FILE
+BUILD_COMMAND = native.build.BUILD_COMMAND
 STATS_KEYS = (
     "ops_issued",
     "bytes_evicted",
@@ -58,7 +58,7 @@ def _import_tensorflow():
         import tensorflow as tf  # noqa: PLC0415 -- optional dependency
     except ImportError as e:
         raise ImportError(
-            "keras_autovm.tf_ops needs TensorFlow, which is not installed: "
+            "keras_autovm.mechanisms.tensorflow.ops needs TensorFlow, which is not installed: "
             "install it (`pip install tensorflow`), then build the op library "
             f"with `{BUILD_COMMAND}`."
         ) from e
@@ -66,8 +66,8 @@ def _import_tensorflow():
 
 
 def library_path(directory=None):
-    """Path of the op library: `directory`, or the package directory."""
-    base = Path(directory) if directory is not None else Path(__file__).parent
+    """Path of the op library: `directory`, or keras_autovm/native/."""
+    base = Path(directory) if directory is not None else native.LIBRARY_DIR
     return base / LIBRARY_NAME
 
 
@@ -79,7 +79,7 @@ def check_version(directory=None, tf_version=None):
 
     Args:
         directory: Where the library and its version file are. Defaults to
-            the package directory.
+            keras_autovm/native/.
         tf_version: The running TensorFlow version. Defaults to
             `tf.__version__`.
 
@@ -117,8 +117,8 @@ def load_library(directory=None):
     """Loads the op library (once per path) and registers the gradients.
 
     Args:
-        directory: Where `_autovm_ops.so` is. Defaults to the package
-            directory. (TensorFlow registers op names process-wide, so a
+        directory: Where `_autovm_ops.so` is. Defaults to
+            keras_autovm/native/. (TensorFlow registers op names process-wide, so a
             second copy of the library at another path adds no ops.)
 
     Returns:

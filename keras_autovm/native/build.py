@@ -1,12 +1,13 @@
 """Builds keras-autovm's native libraries with the system C++ compiler.
 
-Two libraries, both loading the CUDA driver at run time, so that no CUDA
-toolkit or header is needed to build them:
+Two libraries, built into this directory (`keras_autovm/native/`), both
+loading the CUDA driver at run time, so that no CUDA toolkit or header is
+needed to build them:
 
 - `_autovm_ops.so`: the TensorFlow op library (ops/tf/, ops/common/),
   compiled against the installed TensorFlow's headers (`tf.sysconfig`). The
   TensorFlow version it was built for is written next to it in
-  `_autovm_ops.tf_version`; `keras_autovm.tf_ops` warns when it differs.
+  `_autovm_ops.tf_version`; `mechanisms/tensorflow/ops.py` warns when it differs.
 - `_autovm_native<EXT_SUFFIX>`: the pybind11 helper module (ops/native/,
   ops/common/), for the running Python. Optional: the package works without
   it.
@@ -14,8 +15,8 @@ toolkit or header is needed to build them:
 Used by setup.py (`pip install --no-build-isolation .` and `pip install -e .`)
 and from the command line:
 
-    python -m keras_autovm._build            # both, into the package directory
-    python -m keras_autovm._build --only tf --force --verbose
+    python -m keras_autovm.native.build            # both, into keras_autovm/native/
+    python -m keras_autovm.native.build --only tf --force --verbose
 
 This file imports nothing outside the standard library at module level (setup
 loads it by path, before the package is importable). A build is skipped when
@@ -39,10 +40,10 @@ from pathlib import Path
 TF_LIBRARY = "_autovm_ops.so"
 TF_VERSION_FILE = "_autovm_ops.tf_version"
 NATIVE_NAME = "_autovm_native"
-BUILD_COMMAND = "python -m keras_autovm._build"
+BUILD_COMMAND = "python -m keras_autovm.native.build"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
-_DEFAULT_SOURCES = _PACKAGE_DIR.parent / "ops"
+_DEFAULT_SOURCES = _PACKAGE_DIR.parent.parent / "ops"
 
 _TF_SOURCES = ("tf/autovm_ops.cc", "tf/autovm_kernels.cc", "common/cuda_driver.cc")
 _NATIVE_SOURCES = ("native/autovm_native.cc", "common/cuda_driver.cc")
@@ -156,7 +157,7 @@ def build_tf_ops(out_dir=None, sources=None, force=False, jobs=None,
     """Builds `_autovm_ops.so` into `out_dir` for the installed TensorFlow.
 
     Args:
-        out_dir: Where the library goes. Defaults to the package directory.
+        out_dir: Where the library goes. Defaults to keras_autovm/native/.
         sources: The `ops/` directory. Defaults to the one of this checkout.
         force: Rebuild even when the stamp says the library is current.
             Defaults to `False`.
@@ -260,7 +261,7 @@ def build_all(out_dir=None, sources=None, force=False, jobs=None,
         results["native"] = "failed: %s" % e
         warnings.warn(
             "keras-autovm: the optional native helper (pybind11) did not "
-            "build; the package works without it (keras_autovm.native.native "
+            "build; the package works without it (keras_autovm.native.helper "
             "is None). Reason:\n%s" % e,
             stacklevel=2,
         )
@@ -271,7 +272,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog=BUILD_COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None,
-                        help="output directory (default: the package directory)")
+                        help="output directory (default: keras_autovm/native/)")
     parser.add_argument("--sources", default=None,
                         help="the ops/ directory (default: the checkout's)")
     parser.add_argument("--only", choices=("tf", "native"), default=None)

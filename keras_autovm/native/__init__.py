@@ -1,12 +1,18 @@
-"""The optional native helper: CUDA managed-memory facts no framework exposes.
+"""keras-autovm's native libraries: where they are built, and the helper.
 
-`native` is the compiled pybind11 module `keras_autovm._autovm_native`
+Both libraries are compiled from ops/ by `build.py` (at install, or with
+`python -m keras_autovm.native.build`) into this directory: the TensorFlow
+op library `_autovm_ops.so` (loaded by `mechanisms/tensorflow/ops.py`) and
+the optional pybind11 helper, CUDA managed-memory facts no framework
+exposes.
+
+`helper` is the compiled pybind11 module `keras_autovm.native._autovm_native`
 (sources in ops/native/), or `None` when it was not built for this Python.
 The module itself imports without CUDA; its functions then raise
 `RuntimeError("no CUDA driver: ...")`. `available()` says whether both the
 module and a working driver are there.
 
-Functions of `native` (see their docstrings):
+Functions of `helper` (see their docstrings):
 
 - `device_count()`, `device_info(device=0)`, `mem_info(device=0) -> (free, total)`
 - `pointer_info(ptr, nbytes=1) -> dict(is_managed, device, memory_type,
@@ -21,34 +27,41 @@ Functions of `native` (see their docstrings):
 
 Example:
 
-    from keras_autovm import native as nat
+    from keras_autovm import native
 
-    if nat.available():
-        free, total = nat.native.mem_info(0)
+    if native.available():
+        free, total = native.helper.mem_info(0)
 """
 
+from pathlib import Path
+
+from keras_autovm.native import build
+
+#: Where the built libraries live.
+LIBRARY_DIR = Path(__file__).resolve().parent
+
 try:
-    from keras_autovm import _autovm_native as native
+    from keras_autovm.native import _autovm_native as helper
 except ImportError as e:  # Not built for this Python: the package still works.
-    native = None
+    helper = None
     _IMPORT_ERROR = str(e)
 else:
     _IMPORT_ERROR = None
 
-BUILD_COMMAND = "python -m keras_autovm._build --only native"
+BUILD_COMMAND = f"{build.BUILD_COMMAND} --only native"
 
 
 def available():
     """Whether the native module is built and a CUDA driver initialised."""
-    return native is not None and bool(native.driver_available())
+    return helper is not None and bool(helper.driver_available())
 
 
 def require():
-    """Returns `native`, or raises `ImportError` saying how to build it."""
-    if native is None:
+    """Returns `helper`, or raises `ImportError` saying how to build it."""
+    if helper is None:
         raise ImportError(
-            "keras-autovm's native helper (keras_autovm._autovm_native) is not "
+            "keras-autovm's native helper (keras_autovm.native._autovm_native) is not "
             f"built for this Python ({_IMPORT_ERROR}). Build it with "
             f"`{BUILD_COMMAND}` (needs a C++17 compiler and pybind11)."
         )
-    return native
+    return helper

@@ -5,6 +5,8 @@ its pages can move to the host and back while its address stays the same,
 which is what AutoVM's TensorFlow swap (evict/prefetch ops) relies on.
 """
 
+from keras_autovm import internals
+
 _state = {"enabled": False, "memory_fraction": None}
 
 
@@ -42,24 +44,15 @@ def enable_managed_memory(memory_fraction=0.9):
         raise ValueError("`memory_fraction` must be a positive number. "
                          f"Received: memory_fraction={memory_fraction!r}")
     import tensorflow as tf
-    from tensorflow.python.eager import context
 
     config = tf.compat.v1.ConfigProto()
     config.gpu_options.experimental.use_unified_memory = True
     config.gpu_options.per_process_gpu_memory_fraction = float(memory_fraction)
-    # TensorFlow reads GPU options once, when its context is first
-    # initialised; there is no public setter, so merge into the pending one.
-    ctx = context.context()
-    if ctx._context_handle is not None:
+    if not internals.tf_merge_pending_config(config):
         raise RuntimeError(
             "enable_managed_memory() must be called before TensorFlow "
             "initialises the GPU (before any model is built or run); it has "
             "already been initialised in this process.")
-    merged = tf.compat.v1.ConfigProto()
-    if ctx._config is not None:
-        merged.CopyFrom(ctx._config)
-    merged.MergeFrom(config)
-    ctx._config = merged
     _state.update(enabled=True, memory_fraction=float(memory_fraction))
 
 

@@ -1,0 +1,51 @@
+"""Cost models from what was measured on this machine.
+
+Today: the link bandwidths, from the native helper's `link_probe` when a
+GPU and the helper are there; otherwise the planner's defaults.
+"""
+
+import functools
+import warnings
+
+from keras_autovm import planner
+
+
+def measured_cost(mechanism):
+    """A cost model whose link bandwidths were measured on this GPU.
+
+    With a GPU and the native helper, the link is probed once per process
+    (small buffers, well inside free memory), and the figures of the link
+    the mechanism's swaps use are taken (`mechanism.copy_link`: pinned
+    copies, or managed-memory page moves). Otherwise the defaults.
+    """
+    if not mechanism.gpu_available():
+        return planner.CostModel()
+    probe = _link_probe()
+    if probe is None:
+        return planner.CostModel()
+    return cost_from_probe(probe, mechanism.copy_link)
+
+
+def cost_from_probe(probe, link):
+    """A `CostModel` with the median bandwidths of a native `link_probe`.
+
+    Args:
+        probe: the dict `keras_autovm.native.helper.link_probe()` returns.
+        link: `"pinned"` or `"managed_prefetch"`.
+    """
+    return planner.CostModel(
+        d2h_bytes_per_s=probe[f"{link}_d2h"]["median"] * 1e9,
+        h2d_bytes_per_s=probe[f"{link}_h2d"]["median"] * 1e9)
+
+
+@functools.lru_cache(maxsize=None)
+def _link_probe():
+    from keras_autovm import native
+    if not native.available():
+        return None
+    try:
+        return native.helper.link_probe(nbytes=64 << 20, repeats=3, device=0)
+    except RuntimeError as error:
+        warnings.warn(f"AutoVM could not probe the GPU link, so it plans with "
+                      f"default bandwidths: {error}", stacklevel=3)
+        return None

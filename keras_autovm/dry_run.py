@@ -1,0 +1,67 @@
+"""`plan()`: a dry run of AutoVM's planning for a model, before training."""
+
+from __future__ import annotations
+
+import numbers
+
+import keras
+
+from keras_autovm import budget as budget_lib
+from keras_autovm import calibration
+from keras_autovm import mechanisms
+from keras_autovm import planner
+from keras_autovm.model_graph import build_graph
+
+
+def plan(model: keras.Model, batch_size: int,
+         budget: int | str | float | None = None, policy: str = "auto",
+         cost: planner.CostModel | None = None,
+         headroom: float = budget_lib.DEFAULT_HEADROOM) -> planner.Plan:
+    """Plans which layer outputs to keep, swap to host or recompute.
+
+    A dry run: nothing is trained and the model is not changed. The plan is
+    made for the active Keras backend, which decides the actions available
+    (JAX: keep, swap, recompute; TensorFlow and torch: keep, recompute).
+
+    Args:
+        model: a built Sequential or Functional Keras model.
+        batch_size: the training batch size, a positive int.
+        budget: device memory for training: bytes (int), a string such as
+            `"16GiB"` or `"512MiB"`, a float in (0, 1] (a fraction of the
+            GPU's memory) or `None` (all of the GPU's memory). Defaults to
+            `None`.
+        policy: `"auto"` (the fastest plan that fits) or one of
+            `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
+            `"sqrt_recompute"`. Defaults to `"auto"`.
+        cost: a `keras_autovm.planner.CostModel` (compute speed and link
+            bandwidths); `None` uses the link measured on this GPU, or the
+            defaults. Defaults to `None`.
+        headroom: the share of `budget` kept free for memory the planner
+            does not model (framework scratch buffers, fragmentation): plans
+            must fit `budget * (1 - headroom)`. Defaults to 0.15.
+
+    Returns:
+        A `keras_autovm.planner.Plan`; `Plan.summary()` prints it.
+
+    Raises:
+        keras_autovm.PlanError: no plan meets `budget`; the message and
+            `min_budget` give the smallest feasible budget.
+
+    Example:
+
+    ```python
+    model = keras.applications.VGG19(weights=None)
+    p = keras_autovm.plan(model, batch_size=256, budget="16GiB")
+    p.summary()
+    ```
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
+            or batch_size <= 0:
+        raise ValueError(
+            f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
+    budget_lib.check_headroom(headroom)
+    mechanism = mechanisms.get()
+    budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
+    return budget_lib.plan_within(
+        build_graph(model, int(batch_size)), budget_bytes, headroom, policy,
+        cost or calibration.measured_cost(mechanism), mechanism)

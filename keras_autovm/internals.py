@@ -1,0 +1,197 @@
+"""Every private Keras, TensorFlow or torch name keras-autovm relies on.
+
+Nothing else in the package reaches behind a public API: when a framework
+moves, this is the one file to read again. Each function says why no public
+API serves and which versions it was checked on (`CHECKED_VERSIONS`);
+`tests/test_internals.py` fails loudly when an installed version differs
+from those, and exercises each reach.
+"""
+
+import contextlib
+import sys
+
+import keras
+
+# The versions each reach below was read against.
+CHECKED_VERSIONS = {"keras": "3.15.1", "tensorflow": "2.21.0", "torch": "2.13.0"}
+
+
+# ------------------------------------------------------------ model graph
+
+
+def functional_of(model):
+    """The functional graph that runs `model`, or `None` if it has none.
+
+    A built `Sequential` runs through the `Functional` it keeps in
+    `_functional`; `Functional` itself is not exported, but every model made
+    by `keras.Model(inputs, outputs)` is one and holds `_nodes_by_depth`.
+    Keras 3.15.1.
+    """
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    return model if hasattr(model, "_nodes_by_depth") else None
+
+
+def execution_nodes(fn):
+    """The nodes of a functional graph in the order Keras runs them.
+
+    Mirrors `Function._run_through_graph` (keras/src/ops/function.py, Keras
+    3.15.1): depths from deepest (inputs) to 0, within a depth the order of
+    `_nodes_by_depth[depth]`, skipping input nodes and nodes whose inputs are
+    not computed yet. No public API lists a model's calls in run order
+    (`model.layers` lists layers, not calls, and not in run order).
+    """
+    computed = {id(x) for x in fn.inputs}
+    order = []
+    for depth in sorted(fn._nodes_by_depth.keys(), reverse=True):
+        for node in fn._nodes_by_depth[depth]:
+            if not node.operation or node.is_input:
+                continue
+            if any(id(x) not in computed for x in node.input_tensors):
+                continue
+            order.append(node)
+            computed.update(id(x) for x in node.outputs)
+    return order
+
+
+def producer(x):
+    """The operation that made a symbolic tensor (`_keras_history[0]`).
+
+    KerasTensors expose no public producer. Keras 3.15.1.
+    """
+    history = getattr(x, "_keras_history", None)
+    return history[0] if history else None
+
+
+def num_outputs(layer):
+    """How many outputs a called layer has, from its first call's node.
+
+    `layer.output` is public but raises for shared layers and lists nested
+    structures; the node (`_inbound_nodes`) has the flat outputs. Keras
+    3.15.1. Returns `None` for a layer never called.
+    """
+    nodes = getattr(layer, "_inbound_nodes", None)
+    return len(nodes[0].outputs) if nodes else None
+
+
+def draws_random_numbers(layer):
+    """Whether a layer or any layer inside it owns a `SeedGenerator`.
+
+    No public flag says a layer is random; `_seed_generators` is where
+    `Layer` tracks them and `_flatten_layers` walks sub-layers. Keras 3.15.1.
+    """
+    layers = layer._flatten_layers() if hasattr(layer, "_flatten_layers") else [layer]
+    return any(getattr(sub, "_seed_generators", None) for sub in layers)
+
+
+def call_takes_training(layer):
+    """Whether `layer.call` accepts `training` (`_call_has_training_arg`).
+
+    Keras computes this once per layer; reading it keeps the replay of a
+    segment passing `training` exactly where Keras itself would. Keras
+    3.15.1.
+    """
+    return bool(getattr(layer, "_call_has_training_arg", False))
+
+
+@contextlib.contextmanager
+def uncompiled(model):
+    """Makes `model` look uncompiled while `keras.models.clone_model` runs.
+
+    `clone_model` compiles the clone from the model's compile config, and
+    serialising that config imports TensorFlow on every backend (to test
+    for `tf.TensorShape`) and builds an optimizer: AutoVM's clone only
+    routes calls to the original layers and must do neither. `compiled` is
+    a plain attribute of `Trainer`. Keras 3.15.1.
+    """
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
+
+
+# ------------------------------------------------------------- fit internals
+
+# The JAX trainer's stateless loss function: the smallest function holding
+# both the producer and the backward reader of every layer output, with
+# state as values in and out. Public name, undocumented. Keras 3.15.1.
+JAX_LOSS_FUNCTION = "compute_loss_and_updates"
+
+
+def running_fit(depth=12):
+    """The locals of the `fit` call that is running this callback hook.
+
+    Keras gives callbacks neither the batch size (TensorFlow traces the step
+    with an unknown batch dimension) nor a way to learn that `fit` ended in
+    an exception (`on_train_end` is not called then). The `fit` frame holds
+    both: `epoch_iterator` (its data adapter knows the batch size) and
+    `callbacks` (the `CallbackList`, whose hooks every error between two
+    steps passes through). Keras 3.15.1, all three trainers.
+
+    Returns:
+        A dict with `epoch_iterator` and `callbacks` (either may be
+        `None`), empty when no `fit` frame is found.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        found = frame.f_locals
+        if "epoch_iterator" in found and "callbacks" in found:
+            return {"epoch_iterator": found["epoch_iterator"],
+                    "callbacks": found["callbacks"]}
+        frame = frame.f_back
+    return {}
+
+
+def ends_epoch(error):
+    """Whether `fit` reads `error` as the end of an epoch's data.
+
+    Keras's epoch iterators (`catch_stop_iteration`) end the epoch on
+    `StopIteration` and, on TensorFlow, `tf.errors.OutOfRangeError`, raised
+    from the data or from inside the training function that reads it, and
+    train on. Matched by name so that no TensorFlow is imported. Keras
+    3.15.1.
+    """
+    return isinstance(error, StopIteration) or type(error).__name__ == "OutOfRangeError"
+
+
+def batch_size_of(epoch_iterator):
+    """The batch size the data adapter of an `EpochIterator` yields.
+
+    `data_adapter` is an attribute of Keras's `EpochIterator`; its
+    `batch_size` is `None` for datasets of unknown batch size. Keras 3.15.1.
+    """
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    return getattr(adapter, "batch_size", None)
+
+
+# --------------------------------------------------------------- TensorFlow
+
+
+def tf_merge_pending_config(config):
+    """Merges a `ConfigProto` into TensorFlow's context before it starts.
+
+    The unified-memory allocator (`gpu_options.experimental
+    .use_unified_memory`) has no TF2 setter, and TensorFlow reads GPU
+    options once, when its eager context is initialised. The context keeps
+    the pending config in `_config` and is initialised once
+    `_context_handle` is set. TensorFlow 2.21.0.
+
+    Returns:
+        `False` (and changes nothing) when the context is initialised.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    if ctx._context_handle is not None:
+        return False
+    merged = tf.compat.v1.ConfigProto()
+    if ctx._config is not None:
+        merged.CopyFrom(ctx._config)
+    merged.MergeFrom(config)
+    ctx._config = merged
+    return True

@@ -1,0 +1,104 @@
+"""`Mechanism`: what every backend provides, with safe defaults.
+
+A mechanism carries out a plan's actions on one Keras backend. The planner
+and the runtime ask it what it can do (`actions`, `auto_actions`,
+`replays_segments`, `copy_link`), what the device has (`gpu_available`,
+`device_memory`, `peak_memory`), and, while a traced training step runs,
+to apply the plan to each layer call (`call_layer`, `after_layer`, `tag`,
+`recompute`). Everything it changes on a model for one `fit` goes through
+`install`, recorded by the `Patches` it is given, so that one `close()`
+undoes it.
+
+The defaults describe a backend that keeps and recomputes by replaying plan
+segments under `keras.remat`, on a machine without a GPU. A backend module
+overrides what differs; see docs/architecture.md.
+"""
+
+import keras
+
+
+class Mechanism:
+    """The default mechanism: keep, and recompute plan segments."""
+
+    #: The Keras backend this mechanism serves.
+    backend = None
+
+    def __init__(self):
+        # Counts of what was carried out, for the report (backend-specific).
+        self.stats = {}
+
+    # ------------------------------------------------------ what it can do
+
+    def actions(self):
+        """The plan actions this backend can carry out now."""
+        return ("keep", "recompute")
+
+    def auto_actions(self):
+        """Those `policy="auto"` may choose: the ones shown to save memory
+        where the plan says."""
+        return self.actions()
+
+    @property
+    def replays_segments(self):
+        """Whether recompute replays plan segments under `recompute` (the
+        runtime runs them) rather than being the backend's own by name."""
+        return True
+
+    @property
+    def copy_link(self):
+        """Which link probe figures a swap's copies run at: `"pinned"` (copies
+        to pinned host memory) or `"managed_prefetch"` (page moves)."""
+        return "pinned"
+
+    # ---------------------------------------------------------- the device
+
+    def gpu_available(self):
+        """Whether this backend sees a GPU."""
+        return False
+
+    def device_memory(self):
+        """Bytes the backend's allocator may use on the GPU, or `None`."""
+        return None
+
+    def peak_memory(self):
+        """Peak bytes in use on the GPU since `reset_peak`, or `None`."""
+        return None
+
+    def reset_peak(self):
+        """Resets the peak; returns whether the backend can."""
+        return False
+
+    def moved_bytes(self):
+        """Bytes measured moving between device and host, or `None`."""
+        return None
+
+    # ------------------------------------------ inside a traced training step
+
+    def tag(self, x, name):
+        """Marks a layer output with its plan name (for by-name backends)."""
+        return x
+
+    def recompute(self, fn):
+        """`fn`, with its intermediates recomputed in the backward pass."""
+        return keras.remat(fn)
+
+    def call_layer(self, layer, inputs, args, kwargs, applied):
+        """Calls one layer under the plan `applied` (an `AppliedPlan` or
+        `None`); the default is a plain call."""
+        return layer(inputs, *args, **kwargs)
+
+    def after_layer(self, name, outputs, applied):
+        """Runs after the layer call `name`; returns its (possibly wrapped)
+        outputs. The default passes them through."""
+        return outputs
+
+    # ------------------------------------------------- changes for one fit
+
+    def install(self, model, runtime, patches):
+        """Changes the model needs on this backend for one `fit`.
+
+        Every change goes through `patches` (a `keras_autovm.patches.Patches`),
+        which undoes it on close. Returns a message for the user when the
+        change is one they should know about, else `None`.
+        """
+        return None

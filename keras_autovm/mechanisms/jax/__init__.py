@@ -1,0 +1,1 @@
+"""The JAX mechanism (`mechanism.JaxMechanism`); imported only on JAX."""

@@ -1,0 +1,1 @@
+"""The torch mechanism (`mechanism.TorchMechanism`); imported only on torch."""

@@ -1,0 +1,154 @@
+"""Choosing a plan: `make_plan`, the `auto` policy that compares the
+others, and the registry of policies by name.
+
+Pure standard-library Python, no framework imports.
+"""
+
+from .cost import CostModel
+from .graph import ACTIONS
+from .graph import Graph
+from .plan import PlanError
+from .plan import format_bytes
+from .policies import greedy_offload
+from .policies import keep_all
+from .policies import offload_all
+from .policies import sqrt_offload
+from .policies import sqrt_recompute
+
+
+def auto(graph, cost, budget, allowed=ACTIONS):
+    """The fastest plan within the budget among the allowed policies.
+
+    Args:
+        graph: a `Graph`.
+        cost: a `CostModel`.
+        budget: device memory budget in bytes, or `None` (keep all).
+        allowed: actions the backend can carry out. Defaults to all.
+
+    Returns:
+        The fitting `Plan` with the lowest predicted step time.
+
+    Raises:
+        PlanError: if no candidate fits; `min_budget` is the lowest peak
+            any candidate reaches.
+    """
+    if budget is None:
+        return keep_all(graph, cost, budget)
+    names = [n for n in CANDIDATES if set(REQUIRES[n]) <= set(allowed)]
+    plans = [POLICIES[n](graph, cost, budget) for n in names]
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        lowest = min(plans, key=lambda p: p.result.peak_bytes)
+        raise PlanError(
+            f"No plan fits the budget of {format_bytes(budget)} with actions "
+            f"{tuple(allowed)}: the lowest predicted peak is "
+            f"{format_bytes(lowest.result.peak_bytes)} ({lowest.policy}).",
+            lowest.result.peak_bytes,
+        )
+    best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
+    best.notes.append(
+        f"auto chose {best.policy}: the fastest of "
+        f"{', '.join(p.policy for p in fitting)} within the budget."
+    )
+    return best
+
+
+POLICIES = {
+    "auto": auto,
+    "keep_all": keep_all,
+    "offload_all": offload_all,
+    "greedy_offload": greedy_offload,
+    "sqrt_recompute": sqrt_recompute,
+    "sqrt_offload": sqrt_offload,
+}
+
+# The actions besides "keep" that each policy needs.
+REQUIRES = {
+    "auto": (),
+    "keep_all": (),
+    "offload_all": ("swap",),
+    "greedy_offload": ("swap",),
+    "sqrt_recompute": ("recompute",),
+    "sqrt_offload": ("swap", "recompute"),
+}
+
+# What `auto` compares, cheapest-looking first (the order breaks ties).
+CANDIDATES = ("keep_all", "greedy_offload", "sqrt_recompute", "offload_all",
+              "sqrt_offload")
+
+
+def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
+    """Plans one training step of `graph` within a device memory budget.
+
+    Args:
+        graph: a `Graph`.
+        budget: device memory budget in bytes, or `None` for no limit.
+        policy: a name in `POLICIES`. Defaults to `"auto"`.
+        cost: a `CostModel`. Defaults to `None` (`CostModel()`).
+        allowed: actions the backend can carry out; it must include
+            `"keep"`. Defaults to all of `("keep", "swap", "recompute")`.
+
+    Returns:
+        A `Plan` whose predicted peak fits the budget.
+
+    Raises:
+        ValueError: on a bad argument.
+        NotImplementedError: if `policy` needs an action not in `allowed`.
+        PlanError: if the plan cannot fit the budget.
+    """
+    cost = CostModel() if cost is None else cost
+    allowed = _check_args(graph, budget, policy, cost, allowed)
+    missing = [a for a in REQUIRES[policy] if a not in allowed]
+    if missing:
+        raise NotImplementedError(
+            f"Policy {policy!r} needs the {missing[0]!r} action, which this "
+            f"backend does not support (it allows {allowed}). Use "
+            f"policy='auto' to plan with the allowed actions."
+        )
+    if policy == "auto":
+        return auto(graph, cost, budget, allowed)
+    plan = POLICIES[policy](graph, cost, budget)
+    if not plan.fits:
+        raise PlanError(
+            f"Policy {policy!r} cannot fit the budget of "
+            f"{format_bytes(budget)}: its predicted peak is "
+            f"{format_bytes(plan.result.peak_bytes)}.",
+            plan.result.peak_bytes,
+        )
+    return plan
+
+
+def _changed(plan):
+    """How many tensors a plan does not keep (fewer breaks ties)."""
+    return sum(1 for a in plan.actions.values() if a != "keep")
+
+
+def _check_args(graph, budget, policy, cost, allowed):
+    """Validates `make_plan`'s arguments; returns `allowed` as a tuple."""
+    if not isinstance(graph, Graph):
+        raise ValueError(
+            f"Argument `graph` must be a Graph, received: graph={graph!r}"
+        )
+    bad = isinstance(budget, bool) or not (
+        budget is None or (isinstance(budget, (int, float)) and budget >= 0))
+    if bad:
+        raise ValueError(
+            "Argument `budget` must be a non-negative number of bytes or "
+            f"None, received: budget={budget!r}"
+        )
+    if policy not in POLICIES:
+        raise ValueError(
+            f"Argument `policy` must be one of {sorted(POLICIES)}, "
+            f"received: policy={policy!r}"
+        )
+    if not isinstance(cost, CostModel):
+        raise ValueError(
+            f"Argument `cost` must be a CostModel, received: cost={cost!r}"
+        )
+    allowed = tuple(allowed)
+    if "keep" not in allowed or not set(allowed) <= set(ACTIONS):
+        raise ValueError(
+            f"Argument `allowed` must include 'keep' and only actions from "
+            f"{ACTIONS}, received: allowed={allowed!r}"
+        )
+    return allowed

@@ -1,0 +1,164 @@
+"""The private framework names keras-autovm relies on, all in one module.
+
+If a pinned framework version moves, the first test fails: read
+keras_autovm/internals.py again against the new version, then update
+`CHECKED_VERSIONS`. The other tests exercise each reach.
+"""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import BACKEND, data, skip_model, small_cnn
+from keras_autovm import internals
+
+ROOT = Path(__file__).resolve().parents[1]
+# Names behind a framework's public API, allowed in internals.py only.
+PRIVATE = re.compile(r"keras\.src|_keras_history|_inbound_nodes|_nodes_by_depth"
+                     r"|_call_has_training_arg|_seed_generators|_flatten_layers"
+                     r"|_getframe|_context_handle|\._functional\b|tensorflow\.python")
+
+
+@pytest.mark.parametrize("package", sorted(internals.CHECKED_VERSIONS))
+def test_installed_versions_are_the_checked_ones(package):
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{package} is not installed")
+    installed = installed.split("+")[0]  # torch's local tag, e.g. +cpu
+    assert installed == internals.CHECKED_VERSIONS[package], (
+        f"{package} {installed} is installed, but keras_autovm/internals.py "
+        f"was checked against {internals.CHECKED_VERSIONS[package]}: re-read "
+        "every reach there against the new version, then update "
+        "CHECKED_VERSIONS.")
+
+
+def test_no_private_names_outside_internals():
+    offenders = []
+    for path in (ROOT / "keras_autovm").rglob("*.py"):
+        if path.name == "internals.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_functional_of():
+    seq, fn = small_cnn(), skip_model()
+    assert internals.functional_of(seq) is seq._functional
+    assert internals.functional_of(fn) is fn
+    assert internals.functional_of(keras.Sequential([keras.layers.Dense(2)])) is None
+
+
+def test_execution_nodes_run_in_keras_order():
+    model = skip_model()
+    ran = []
+    model._run_through_graph(
+        model.inputs, operation_fn=lambda op: ran.append(op.name) or op,
+        call_fn=lambda op, *a, **k: [None] * len(keras.tree.flatten(op.output)))
+    assert [n.operation.name for n in internals.execution_nodes(model)] == ran
+
+
+def test_producer_and_num_outputs():
+    inputs = keras.Input((4,), name="x")
+    dense = keras.layers.Dense(2, name="d")
+    y = dense(inputs)
+    assert internals.producer(y) is dense
+    assert internals.num_outputs(dense) == 1
+    assert internals.num_outputs(keras.layers.Dense(2)) is None
+
+
+def test_random_layers_and_training_argument():
+    assert internals.draws_random_numbers(keras.layers.Dropout(0.5))
+    assert not internals.draws_random_numbers(keras.layers.Dense(2))
+    assert internals.call_takes_training(keras.layers.BatchNormalization())
+    assert not internals.call_takes_training(keras.layers.Flatten())
+
+
+def test_uncompiled_restores_the_flag():
+    model = small_cnn()
+    model.compile("sgd", "mse")
+    with internals.uncompiled(model):
+        assert model.compiled is False
+    assert model.compiled is True
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the JAX trainer's loss function")
+def test_jax_loss_function_exists():
+    assert callable(getattr(type(small_cnn()), internals.JAX_LOSS_FUNCTION))
+
+
+def test_running_fit_finds_the_iterator_and_callbacks():
+    found = {}
+
+    class Look(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            found.update(internals.running_fit())
+
+    model = small_cnn()
+    model.compile("sgd", "mse")
+    model.fit(*data(16), batch_size=4, epochs=1, verbose=0, callbacks=[Look()])
+    assert internals.batch_size_of(found["epoch_iterator"]) == 4
+    assert any(isinstance(c, Look) for c in found["callbacks"].callbacks)
+    assert internals.running_fit() == {}
+
+
+def test_ends_epoch():
+    class OutOfRangeError(Exception):  # tf.errors.OutOfRangeError by name.
+        pass
+
+    assert internals.ends_epoch(StopIteration())
+    assert internals.ends_epoch(OutOfRangeError())
+    assert not internals.ends_epoch(ValueError())
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's context")
+def test_tf_pending_config_merges_before_start_only():
+    code = ("import tensorflow as tf\n"
+            "from keras_autovm import internals\n"
+            "c = tf.compat.v1.ConfigProto()\n"
+            "c.gpu_options.per_process_gpu_memory_fraction = 0.25\n"
+            "print(internals.tf_merge_pending_config(c))\n"
+            "tf.constant(1.0) + 1\n"
+            "print(internals.tf_merge_pending_config(c))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="checks the other backends")
+def test_no_tensorflow_import_on_jax_and_torch():
+    """AutoVM's whole path (plan, fit, report) imports no TensorFlow."""
+    code = ("import sys, numpy as np, keras, keras_autovm, tempfile\n"
+            "from conftest import small_cnn, data\n"
+            "m = small_cnn(); m.compile('adam', 'mse')\n"
+            "keras_autovm.plan(m, 8, budget='1GiB').summary(print_fn=lambda s: None)\n"
+            "cb = keras_autovm.AutoVM(budget='1GiB', verbose=0, apply_without_gpu=True,"
+            " policy='sqrt_recompute', report_dir=tempfile.mkdtemp())\n"
+            "m.fit(*data(16), batch_size=8, epochs=1, verbose=0, callbacks=[cb])\n"
+            "print('TF', 'tensorflow' in sys.modules)\n")
+    env = dict(os.environ, KERAS_BACKEND=BACKEND,
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TF False" in proc.stdout
+
+
+def test_clone_for_routing_leaves_compile_state_alone():
+    model = small_cnn()
+    model.compile(optimizer="adam", loss="mse")
+    optimizer = model.optimizer
+    with internals.uncompiled(model):
+        clone = keras.models.clone_model(model)
+    assert not clone.compiled and model.compiled and model.optimizer is optimizer
+    np.testing.assert_array_equal(model.predict(data(2)[0], verbose=0).shape, (2, 4))
