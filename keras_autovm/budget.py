@@ -97,6 +97,11 @@ def check_headroom(headroom):
                          f"Received: headroom={headroom!r}")
 
 
+def graph_for(model, batch_size, mechanism):
+    """The planner graph of `model` at `batch_size`, as `mechanism` runs it."""
+    return mechanism.adjust_graph(build_graph(model, batch_size), model)
+
+
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
 
@@ -110,8 +115,8 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
     limit = int(budget_bytes * (1 - headroom))
     try:
-        return planner.make_plan(graph, limit, policy=policy, cost=cost,
-                                 allowed=allowed)
+        return planner.make_plan(graph, limit, policy=policy,
+                                 cost=mechanism.swap_cost(cost), allowed=allowed)
     except planner.PlanError as error:
         if not headroom:
             raise
@@ -151,7 +156,7 @@ class PlanBook:
     def plan(self, batch_size):
         """A new plan for `batch_size` with the current cost model."""
         if batch_size not in self._graphs:
-            self._graphs[batch_size] = build_graph(self.model, batch_size)
+            self._graphs[batch_size] = graph_for(self.model, batch_size, self.mechanism)
         plan = plan_within(self._graphs[batch_size], self.budget_bytes,
                            self.headroom, self.policy, self.cost, self.mechanism)
         if self.announce is not None:

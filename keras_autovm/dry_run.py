@@ -10,7 +10,6 @@ from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
 from keras_autovm import mechanisms
 from keras_autovm import planner
-from keras_autovm.model_graph import build_graph
 
 
 def plan(model: keras.Model, batch_size: int,
@@ -63,5 +62,5 @@ def plan(model: keras.Model, batch_size: int,
     mechanism = mechanisms.get()
     budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
     return budget_lib.plan_within(
-        build_graph(model, int(batch_size)), budget_bytes, headroom, policy,
-        cost or calibration.measured_cost(mechanism), mechanism)
+        budget_lib.graph_for(model, int(batch_size), mechanism), budget_bytes,
+        headroom, policy, cost or calibration.measured_cost(mechanism), mechanism)

@@ -94,6 +94,28 @@ def call_takes_training(layer):
     return bool(getattr(layer, "_call_has_training_arg", False))
 
 
+def run_calls(model, inputs, around):
+    """Runs a model's forward pass in training mode, one layer call at a time.
+
+    `around(operation, run, args)` is called for each call, in run order,
+    and must return `run()`'s result. Keras runs a functional graph through
+    `Function._run_through_graph(inputs, operation_fn)` and passes
+    `training` to the operations whose `_call_context_args` name it
+    (`keras/src/models/functional.py`, `operation_fn`); no public API runs
+    one call at a time. Keras 3.15.1.
+    """
+    fn = functional_of(model)
+
+    def operation_fn(operation):
+        def run(*args, **kwargs):
+            if "training" in getattr(operation, "_call_context_args", {}):
+                kwargs["training"] = True
+            return around(operation, lambda: operation(*args, **kwargs), args)
+        return run
+
+    return fn._run_through_graph(inputs, operation_fn=operation_fn)
+
+
 @contextlib.contextmanager
 def uncompiled(model):
     """Makes `model` look uncompiled while `keras.models.clone_model` runs.

@@ -94,7 +94,11 @@ class Runtime:
     def _run_segment(self, names, inputs, training):
         segment = _Segment([self._layers[n] for n in names], training, self.stats)
         self.stats["segments_run"] += 1
-        outputs = self.mechanism.recompute(lambda x: segment(x))(inputs)
+        # Tensors as arguments, not a nested structure: torch's checkpoint
+        # saves only tensor arguments as such (through saved-tensor hooks).
+        flat = keras.tree.flatten(inputs)
+        outputs = self.mechanism.recompute(
+            lambda *xs: segment(keras.tree.pack_sequence_as(inputs, list(xs))))(*flat)
         for name, output in zip(names[1:], outputs[1:]):
             self._stash[name] = output
         return outputs[0]

@@ -177,7 +177,8 @@ def _check_application(model, merge_cls):
     merge_names = {op.name for op in merges}
     for t in graph.tensors:
         assert not merge_names & set(t.bwd_readers), t.name
-        assert t.can_swap and t.can_recompute, t.name
+        output = t.producer == graph.ops[-1].name
+        assert t.can_swap is not output and t.can_recompute, t.name
         assert t.nbytes > 0
     for op in graph.ops:
         if op.kind == "Conv2D":
@@ -258,7 +259,19 @@ def test_shared_layer_is_kept_with_a_note():
         assert "shared layer called 2 times" in tensors[name].note
         assert ops[name].note == "shared layer"
         assert tensors[name].fwd_readers == ("add",)
-    assert tensors["add"].can_swap and tensors["add"].note == ""
+    assert tensors["add"].can_recompute and tensors["add"].note == (
+        "model output: kept for the loss")
+
+
+def test_model_outputs_are_not_swapped():
+    inputs = keras.Input((5,))
+    x = layers.Dense(4, name="hidden")(inputs)
+    heads = [layers.Dense(2, name="a")(x), layers.Dense(3, name="b")(x)]
+    tensors, _ = _by_name(build_graph(keras.Model(inputs, heads), batch_size=2))
+    assert tensors["hidden"].can_swap
+    for name in ("a", "b"):
+        assert not tensors[name].can_swap
+        assert "model output" in tensors[name].note
 
 
 class _TwoOutputs(layers.Layer):

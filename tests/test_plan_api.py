@@ -24,8 +24,6 @@ def test_tight_budget_uses_less_memory_than_keep_all():
     assert tight.result.peak_bytes <= keep.result.peak_bytes * 0.8
     actions = set(tight.actions.values())
     assert actions - {"keep"}
-    if BACKEND == "torch":
-        assert "swap" not in actions
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one():

@@ -44,6 +44,18 @@ class Mechanism:
         runtime runs them) rather than being the backend's own by name."""
         return True
 
+    def adjust_graph(self, graph, model):
+        """`graph` (a `planner.Graph` of `model`) corrected with what this
+        backend was measured to keep for the backward pass. The default
+        changes nothing."""
+        return graph
+
+    def swap_cost(self, cost):
+        """`cost` (a `planner.CostModel`) with how this backend's swaps
+        behave: its bound on copies in flight, whether swapped tensors'
+        readers are recomputed. The default changes nothing."""
+        return cost
+
     @property
     def copy_link(self):
         """Which link probe figures a swap's copies run at: `"pinned"` (copies

@@ -8,10 +8,11 @@ byte sizes. Neither changes the model.
 from keras_autovm.model_graph.layer_facts import backward_reads
 from keras_autovm.model_graph.layer_facts import optimizer_state_bytes
 from keras_autovm.model_graph.walk import build_graph
+from keras_autovm.model_graph.walk import call_names
 from keras_autovm.model_graph.walk import functional_of
 from keras_autovm.model_graph.walk import layer_calls
 from keras_autovm.model_graph.walk import op_name
 from keras_autovm.model_graph.walk import tag_names
 
-__all__ = ["backward_reads", "build_graph", "functional_of", "layer_calls",
+__all__ = ["backward_reads", "build_graph", "call_names", "functional_of", "layer_calls",
            "op_name", "optimizer_state_bytes", "tag_names"]

@@ -59,6 +59,19 @@ def op_name(layer, call=0):
     return layer.name if call == 0 else f"{layer.name}@{call}"
 
 
+def call_names(model):
+    """(op name, output tags) of each layer call of a built model, in run
+    order: the names the planner's graph and the wrappers use."""
+    seen, names = {}, []
+    for layer, node in layer_calls(model):
+        call = seen.get(id(layer), 0)
+        seen[id(layer)] = call + 1
+        name = op_name(layer, call)
+        n = len(node.outputs)
+        names.append((name, [_tag(name, i, n) for i in range(n)]))
+    return names
+
+
 def layer_calls(model):
     """The layer calls of a built model, in the order Keras runs them.
 
@@ -107,10 +120,10 @@ def build_graph(model, batch_size, optimizer=None, backend=None):
             f"`batch_size` must be a positive integer. Received: batch_size={batch_size}")
     backend = backend or keras.backend.backend()
     fn = functional_of(model)
-    ops, tensors = _walk(fn, batch_size, backend)
+    ops, tensors, outputs = _walk(fn, batch_size, backend)
     return Graph(ops=tuple(ops), tensors=tuple(tensors),
                  persistent_bytes=_persistent_bytes(model, fn, batch_size, optimizer),
-                 batch_size=batch_size)
+                 batch_size=batch_size, outputs=outputs)
 
 
 def functional_of(model):
@@ -150,7 +163,14 @@ def _walk(fn, batch_size, backend):
         seen[id(layer)] = call + 1
         ops.append(_add_call(node, op_name(layer, call), calls[id(layer)],
                              known, tensors, batch_size, backend))
-    return ops, [TensorSpec(**_freeze(t)) for t in tensors.values()]
+    outputs = tuple(known[id(x)][0] for x in fn.outputs if known[id(x)][0])
+    for tag in outputs:
+        # The loss reads a model output right after the forward pass.
+        if tensors[tag]["can_swap"]:
+            tensors[tag]["can_swap"] = False
+            tensors[tag]["note"] = "; ".join(
+                n for n in (tensors[tag]["note"], "model output: kept for the loss") if n)
+    return ops, [TensorSpec(**_freeze(t)) for t in tensors.values()], outputs
 
 
 def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
@@ -180,7 +200,7 @@ def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
         internal = f"{name}:internal"
         tensors[internal] = dict(
             name=internal, nbytes=internal_bytes, producer=name, fwd_readers=[],
-            bwd_readers=[name], can_swap=False, can_recompute=False,
+            bwd_readers=[name], can_swap=False, can_recompute=False, internal=True,
             note="nested model's own activations: kept")
     else:
         flops = facts.flops(inner, node, batch_size)
@@ -222,7 +242,7 @@ def _rules(layer, inner, num_calls, num_outputs, batch_size, backend):
 def _nested(model, batch_size, backend):
     """(flops, mem_bytes, note, internal activation bytes) of a nested model."""
     fn = functional_of(model)
-    inner_ops, inner_tensors = _walk(fn, batch_size, backend)
+    inner_ops, inner_tensors, _ = _walk(fn, batch_size, backend)
     inner_outputs = {id(x) for x in fn.outputs}
     output_tags = set()
     for layer, node in layer_calls(model):

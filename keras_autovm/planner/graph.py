@@ -29,6 +29,9 @@ class TensorSpec:
         can_swap: whether it may be moved to host.
         can_recompute: whether it may be dropped and recomputed.
         note: why an action is not allowed, shown in plan summaries.
+        internal: saved inside its producer for the producer's own
+            backward, not a layer output: no other op reads it, and
+            recomputing the producer makes it again. Defaults to `False`.
     """
 
     name: str
@@ -39,6 +42,7 @@ class TensorSpec:
     can_swap: bool = True
     can_recompute: bool = True
     note: str = ""
+    internal: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +86,15 @@ class Graph:
         persistent_bytes: memory held for the whole step: weights, their
             gradients, optimizer state and the input batch.
         batch_size: the batch size the byte counts are for.
+        outputs: names of the tensors the model returns (the loss reads
+            them right after the forward pass). Defaults to `()`.
     """
 
     ops: tuple
     tensors: tuple
     persistent_bytes: int = 0
     batch_size: int = 0
+    outputs: tuple = ()
 
     def __post_init__(self):
         _validate(self)
@@ -110,6 +117,9 @@ def _validate(graph):
     names = [t.name for t in graph.tensors]
     if len(set(names)) != len(names):
         raise ValueError(f"Graph tensor names must be unique, got {names}")
+    unknown = set(graph.outputs) - set(names)
+    if unknown:
+        raise ValueError(f"Graph outputs name unknown tensors: {sorted(unknown)}")
     index = {name: i for i, name in enumerate(op_names)}
     for t in graph.tensors:
         if t.nbytes < 0:

@@ -173,8 +173,10 @@ def _chains(graph):
 def _segment_actions(graph, segments):
     """Marks every output inside a segment (not its last op's) recompute."""
     inner = {name for seg in segments for name in seg[:-1]}
-    return {t.name: "recompute" for t in graph.tensors
-            if t.producer in inner and t.can_recompute}
+    members = {name for seg in segments for name in seg}
+    # What a member saves inside itself is made again with the segment.
+    return {t.name: "recompute" for t in graph.tensors if t.can_recompute
+            and (t.producer in inner or (t.internal and t.producer in members))}
 
 
 def _managed(graph, action):

@@ -13,7 +13,8 @@ buffers and the workspace of the running op:
   last backward use (a backward reader, or a recomputation that reads it).
 - A swapped tensor is copied to host when its producer's forward ends; the
   device copy is freed once that copy is done and its last forward reader
-  has run. The copy back is enqueued when compute reaches the backward of
+  has run. With `cost.max_in_flight_bytes`, a forward op does not start
+  while more than that many bytes of copies to host are outstanding. The copy back is enqueued when compute reaches the backward of
   its prefetch op (or its first backward use, if that comes first), starts
   no earlier than the copy out finished, allocates device memory when it
   starts, and compute waits for it before any op that reads the tensor.
@@ -58,7 +59,8 @@ class SimResult:
         step_time: when the last stream finishes, in seconds.
         compute_time: forward plus backward time, without recomputation.
         recompute_time: time spent re-running forwards in backward.
-        stall_time: time compute waited for host-to-device copies.
+        stall_time: time compute waited for copies: host-to-device copies
+            it reads, and device-to-host copies over the in-flight bound.
         stalls: dict tensor name -> seconds compute waited for its copy.
         d2h_bytes: bytes copied device to host.
         h2d_bytes: bytes copied host to device.
@@ -80,6 +82,7 @@ class SimResult:
     timeline: list
     op_events: list
     copy_events: list
+    d2h_wait_time: float = 0.0
 
 
 def simulate(graph, actions=None, prefetch=None, cost=None):
@@ -102,7 +105,7 @@ def simulate(graph, actions=None, prefetch=None, cost=None):
     cost = cost or CostModel()
     ix = index(graph)
     check_actions(ix, actions)
-    sched = schedule(ix, actions)
+    sched = schedule(ix, actions, cost.swap_recomputes_readers)
     triggers = _triggers(ix, sched, actions, prefetch or {})
     streams = _run(ix, graph, sched, actions, triggers, cost)
     events = _memory_events(ix, graph, sched, streams, actions)
@@ -132,7 +135,7 @@ def _triggers(ix, sched, actions, prefetch):
 
 
 _Streams = collections.namedtuple(
-    "_Streams", ["starts", "ends", "d2h", "h2d", "stalls", "end"]
+    "_Streams", ["starts", "ends", "d2h", "h2d", "stalls", "end", "waited"]
 )
 
 
@@ -149,8 +152,12 @@ def _run(ix, graph, sched, actions, issue, cost):
         for p in sched.uses[name]:
             gate.setdefault(p, []).append(name)
     starts, ends, d2h, h2d, stalls = [], [], {}, {}, {}
-    now = d2h_free = h2d_free = 0.0
+    now = d2h_free = h2d_free = waited = 0.0
     for pos, (phase, i) in enumerate(sched.items):
+        if phase == "fwd" and cost.max_in_flight_bytes is not None:
+            ready = _in_flight_ready(now, d2h, ix.nbytes, cost.max_in_flight_bytes)
+            waited += ready - now
+            now = ready
         for name in issue_at.get(pos, ()):
             start = max(now, h2d_free, d2h[name][1])
             h2d_free = start + cost.copy_time(ix.nbytes[name], "h2d")
@@ -167,7 +174,19 @@ def _run(ix, graph, sched, actions, issue, cost):
                 d2h_free = begin + cost.copy_time(ix.nbytes[name], "d2h")
                 d2h[name] = (begin, d2h_free)
     end = max(now, d2h_free, h2d_free)
-    return _Streams(starts, ends, d2h, h2d, stalls, end)
+    return _Streams(starts, ends, d2h, h2d, stalls, end, waited)
+
+
+def _in_flight_ready(now, d2h, nbytes, limit):
+    """When the copies to host outstanding at `now` are within `limit`."""
+    pending = sorted((end, nbytes[name]) for name, (_, end) in d2h.items() if end > now)
+    outstanding = sum(n for _, n in pending)
+    for end, n in pending:
+        if outstanding <= limit:
+            break
+        outstanding -= n
+        now = end
+    return now
 
 
 def _wait(now, names, h2d, stalls):
@@ -255,13 +274,14 @@ def _result(graph, ix, sched, st, events, actions):
         step_time=st.end,
         compute_time=durations["fwd"] + durations["bwd"],
         recompute_time=durations["recompute"],
-        stall_time=sum(st.stalls.values()),
+        stall_time=sum(st.stalls.values()) + st.waited,
         stalls=dict(st.stalls),
         d2h_bytes=sum(ix.nbytes[n] for n in st.d2h),
         h2d_bytes=sum(ix.nbytes[n] for n in st.h2d),
         timeline=timeline,
         op_events=op_events,
         copy_events=copies,
+        d2h_wait_time=st.waited,
     )
 
 

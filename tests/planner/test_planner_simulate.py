@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import pytest
@@ -271,3 +272,36 @@ def test_long_recompute_chain_has_no_recursion_limit():
     r = simulate(g, {t.name: "recompute" for t in g.tensors[:-1]})
     # Group o2999 replays o0..o2998 once; each then lives to its reader.
     assert r.recompute_time == 2999.0
+
+
+def test_in_flight_bound_makes_the_forward_wait_for_copies_out():
+    # t0 and t1 (100 B each) take 1 s each to copy out at 100 B/s; forwards
+    # take 0.1 s, so without a bound the forward runs ahead of the copies.
+    g = chain([100, 100, 100, 1], fwd_times=[0.1] * 4)
+    actions = {"t0": "swap", "t1": "swap"}
+    free = simulate(g, actions, cost=SLOW_LINK)
+    bound = dataclasses.replace(SLOW_LINK, max_in_flight_bytes=100)
+    held = simulate(g, actions, cost=bound)
+    assert free.d2h_wait_time == 0
+    # o2 may start only once t0's copy (ends at 1.1 s) is done: 100 B left.
+    starts = {(e.op, e.phase): e.start for e in held.op_events}
+    assert starts["o2", "fwd"] == pytest.approx(1.1)
+    assert held.d2h_wait_time == pytest.approx(1.1 - 0.2)
+    assert held.stall_time >= held.d2h_wait_time
+    assert held.step_time > free.step_time
+    with pytest.raises(ValueError, match="max_in_flight_bytes"):
+        CostModel(max_in_flight_bytes=0)
+
+
+def test_readers_recompute_when_the_swap_needs_it():
+    g = chain([100, 100, 1])
+    actions = {"t0": "swap"}
+    plain = simulate(g, actions, cost=SLOW_LINK)
+    redo = simulate(g, actions, cost=dataclasses.replace(
+        SLOW_LINK, swap_recomputes_readers=True))
+    assert plain.recompute_time == 0
+    # o1 reads t0 in backward: its forward (1 s) runs again first.
+    assert redo.recompute_time == 1.0
+    assert [(e.op, e.phase) for e in redo.op_events][4:6] == [
+        ("o1", "recompute"), ("o1", "bwd")]
+    assert redo.step_time == pytest.approx(plain.step_time + 1.0)

@@ -1,16 +1,53 @@
 """torch: recompute through `keras.remat` (non-reentrant
-`torch.utils.checkpoint`) over plan segments. Swapping (saved-tensor hooks
-with pinned buffers) is not built yet, so a plan with swaps is refused."""
+`torch.utils.checkpoint`) over plan segments; swap through saved-tensor
+hooks, a pinned host pool and a copy stream (`swap.py`), which also frees
+every layer output the backward pass does not need once its last forward
+reader has run."""
+
+import dataclasses
+import functools
 
 import torch
 
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.torch import profile
+from keras_autovm.mechanisms.torch import swap
+
+# How far (in link time) the forward may run ahead of its copies to host.
+IN_FLIGHT_SECONDS = 0.05
 
 
 class TorchMechanism(Mechanism):
-    """Keep and recompute."""
+    """Keep, swap (pinned host copies) and recompute."""
 
     backend = "torch"
+
+    def __init__(self):
+        super().__init__()
+        self.stats = {"bytes_to_host": 0, "bytes_to_device": 0,
+                      "bytes_freed_early": 0, "swaps_skipped": 0}
+        self._layouts = {}  # AppliedPlan -> swap.Layout
+        self._profiles = {}  # id(model) -> (model, what its layers save)
+        self._pool = None
+        self._stream = None
+        self._step = None
+
+    def actions(self):
+        return ("keep", "swap", "recompute")
+
+    def adjust_graph(self, graph, model):
+        """Backward readers and layer internals as measured (`profile.py`)."""
+        key = id(model)
+        if self._profiles.get(key, (None,))[0] is not model:
+            self._profiles[key] = (model, profile.measure(model))
+        return profile.adjust(graph, self._profiles[key][1])
+
+    def swap_cost(self, cost):
+        """Bounds the copies to host in flight to `IN_FLIGHT_SECONDS` of link."""
+        if cost.max_in_flight_bytes is not None:
+            return cost
+        return dataclasses.replace(
+            cost, max_in_flight_bytes=cost.d2h_bytes_per_s * IN_FLIGHT_SECONDS)
 
     def gpu_available(self):
         return torch.cuda.is_available()
@@ -30,3 +67,46 @@ class TorchMechanism(Mechanism):
             return False
         torch.cuda.reset_peak_memory_stats()
         return True
+
+    def moved_bytes(self):
+        return {"to_host": self.stats["bytes_to_host"],
+                "to_device": self.stats["bytes_to_device"]}
+
+    def install(self, model, runtime, patches):
+        """Runs each training forward pass under the step's saved-tensor hooks."""
+        call = model.call
+
+        @functools.wraps(call)
+        def call_with_hooks(inputs, *args, **kwargs):
+            if not kwargs.get("training"):
+                return call(inputs, *args, **kwargs)
+            self._step = self._new_step(runtime.plan_for_inputs(inputs), model)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack,
+                                                             self._step.unpack)
+            try:
+                with hooks:
+                    return call(inputs, *args, **kwargs)
+            finally:
+                self._step.forward_done()
+                self._step = None
+
+        patches.set(model, "call", call_with_hooks)
+        return None
+
+    def after_layer(self, name, outputs, applied):
+        if self._step is not None:
+            self._step.layer_done(name, outputs)
+        return outputs
+
+    def _new_step(self, applied, model):
+        if applied not in self._layouts:
+            self._layouts[applied] = swap.Layout(applied)
+        layout = self._layouts[applied]
+        # One pool per fit, sized for the plan with the most to swap.
+        need = layout.swap_bytes + len(layout.swap) * 512
+        if self._pool is None or self._pool.nbytes < need:
+            self._pool = swap.HostPool(need, pinned=self.gpu_available())
+        self._pool.used = 0
+        if self.gpu_available() and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return swap.Step(layout, self._pool, self._stream, self.stats, model.variables)

@@ -1,0 +1,289 @@
+"""torch: layer outputs freed after their last forward reader, and what a
+plan swaps copied to a pinned host pool and back.
+
+Keras's functional runner keeps every layer output referenced until the
+forward pass ends, so on an eager backend nothing the plan drops would leave
+the GPU before then. `Step` frees a layer output's storage
+(`untyped_storage().resize_(0)`) once every layer that reads it in the
+forward pass has run, unless autograd saved it for the backward pass: it
+sees every saved tensor through `torch.autograd.graph.saved_tensors_hooks`
+around the forward. What is saved and swapped is copied to host instead: a swapped
+layer output, or, for a swapped `f"{op}:saved"` (what a layer saves inside
+itself, `profile.py`), the tensors autograd saved during that layer call
+that are no layer output:
+
+- after its producer runs, the storage is copied into a slice of one pinned
+  host buffer (`HostPool`, allocated once per fit) on a dedicated copy
+  stream ordered after the compute stream; `record_stream` keeps the
+  allocator from reusing the GPU block before the copy is done;
+- after its last forward reader (for a layer's own saved tensors: at once),
+  what autograd saved of it points at the host copy, and the GPU storage is
+  freed;
+- in backward, the copy back starts when the gradient reaches the output of
+  the plan's prefetch op (a tensor hook), or at the latest when autograd
+  unpacks the tensor; the compute stream waits for it there;
+- before each layer, the forward waits while more than the plan's
+  `max_in_flight_bytes` of copies to host are outstanding.
+
+Saved tensors are deduplicated by storage; parameters and tensors under
+`MIN_BYTES` are left to autograd. Without CUDA the same steps run with plain
+host memory and synchronous copies, which is how the CPU tests check the
+numbers.
+"""
+
+import collections
+import weakref
+
+import keras
+import torch
+
+# Saved tensors smaller than this stay with autograd: not worth a copy.
+MIN_BYTES = 1 << 20
+_ALIGN = 512
+
+
+def weight_key(variable):
+    """The storage key of a Keras variable's tensor."""
+    return keras.ops.convert_to_tensor(variable.value).untyped_storage().data_ptr()
+
+
+class HostPool:
+    """One host buffer, pinned where CUDA is present, sliced per step."""
+
+    def __init__(self, nbytes, pinned):
+        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        self.used = 0
+
+    @property
+    def nbytes(self):
+        return self.buffer.numel()
+
+    def take(self, nbytes):
+        """A slice of `nbytes`, or `None` when the pool is full."""
+        start = -(-self.used // _ALIGN) * _ALIGN
+        if start + nbytes > self.nbytes:
+            return None
+        self.used = start + nbytes
+        return self.buffer[start:start + nbytes]
+
+
+class Copy:
+    """One swapped storage: its host copy and, in backward, the copy back."""
+
+    __slots__ = ("host", "nbytes", "device", "d2h", "gpu", "h2d", "__weakref__")
+
+    def __init__(self, host, nbytes, device, d2h):
+        self.host, self.nbytes, self.device, self.d2h = host, nbytes, device, d2h
+        self.gpu = self.h2d = None
+
+
+class Saved:
+    """What autograd keeps for a saved tensor: the tensor, or its `Copy`."""
+
+    __slots__ = ("tensor", "copy", "dtype", "size", "stride", "offset")
+
+    def __init__(self, tensor):
+        self.tensor, self.copy = tensor, None
+        self.dtype, self.size = tensor.dtype, tensor.size()
+        self.stride, self.offset = tensor.stride(), tensor.storage_offset()
+
+
+class Layout:
+    """What `Step` needs to know of a plan, worked out once per plan."""
+
+    def __init__(self, applied):
+        graph = applied.plan.graph
+        index = graph.op_index
+        self.index = index
+        self.swap = set(applied.names("swap"))
+        self.outputs = {op.name: op.outputs for op in graph.ops}
+        self.swap_internal = {op.name for op in graph.ops
+                              if f"{op.name}:saved" in self.swap}
+        self.keep_alive = set(graph.outputs)
+        # (position of the last forward reader, tag), in forward order.
+        self.last_use = sorted(
+            (max([index[t.producer]] + [index[r] for r in t.fwd_readers]), t.name)
+            for t in graph.tensors if t.name not in self.keep_alive and not t.internal)
+        self.prefetch_at = collections.defaultdict(list)
+        for tag in self.swap:
+            if tag in applied.plan.prefetch:
+                self.prefetch_at[applied.plan.prefetch[tag]].append(tag)
+        self.swap_bytes = sum(graph.tensor_map[t].nbytes for t in self.swap)
+        self.max_in_flight = applied.plan.cost.max_in_flight_bytes
+
+
+class Step:
+    """Frees, swaps and brings back layer outputs for one training step."""
+
+    def __init__(self, layout, pool, copy_stream, stats, weights):
+        self.layout, self.pool, self.stream, self.stats = layout, pool, copy_stream, stats
+        # Storages of the model's variables: saved views of them are left be.
+        self.weights = {weight_key(v) for v in weights}
+        self.keys = {}  # tag -> storage key
+        self.storages = {}  # key -> storage, until freed
+        self.sharers = collections.defaultdict(set)  # key -> tags on it
+        self.saved = collections.defaultdict(list)  # key -> Saved handles
+        self.saved_keys = set()  # keys autograd holds (small tensors too)
+        self.copies = {}  # key -> Copy, until its storage is freed
+        self.pending = []  # (key, storage) saved since the last layer call
+        self.done = set()  # tags past their last forward reader
+        self.cursor = 0
+        self.in_flight = collections.deque()  # (event, nbytes)
+
+    # ------------------------------------------------- autograd's hooks
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        self.saved_keys.add(key)
+        if storage.nbytes() < MIN_BYTES or key in self.weights:
+            return tensor
+        handle = Saved(tensor)
+        self.saved[key].append(handle)
+        self.pending.append((key, storage))
+        return handle
+
+    def unpack(self, handle):
+        if not isinstance(handle, Saved):
+            return handle
+        if handle.tensor is not None:
+            return handle.tensor
+        copy = handle.copy
+        if copy.gpu is None:
+            self.fetch(copy)
+        if copy.h2d is not None:
+            torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
+        view = torch.empty(0, dtype=handle.dtype, device=copy.device)
+        return view.set_(copy.gpu.untyped_storage(), handle.offset, handle.size,
+                         handle.stride)
+
+    # ------------------------------------------------------- the forward
+
+    def layer_done(self, name, outputs):
+        """Called after each layer call of the forward pass, in order."""
+        tensors = [x for x in keras.tree.flatten(outputs) if isinstance(x, torch.Tensor)]
+        tags = self.layout.outputs.get(name, ())
+        for tag, tensor in zip(tags, tensors):
+            key = tensor.untyped_storage().data_ptr()
+            self.keys[tag] = key
+            self.storages.setdefault(key, tensor.untyped_storage())
+            self.sharers[key].add(tag)
+            if tag in self.layout.swap:
+                self._copy_out(key, tensor.untyped_storage(), tensor.device)
+        self._swap_internal(name)
+        self._arm_prefetch(name, tensors)
+        position = self.layout.index[name]
+        last_use = self.layout.last_use
+        while self.cursor < len(last_use) and last_use[self.cursor][0] <= position:
+            self.done.add(last_use[self.cursor][1])
+            self._release(last_use[self.cursor][1])
+            self.cursor += 1
+        self._bound_in_flight()
+
+    def forward_done(self):
+        """Drops what only the forward needed: the copies now belong to the
+        handles autograd holds, and die with them."""
+        self.storages.clear()
+        self.copies.clear()
+        self.saved.clear()
+
+    def _swap_internal(self, name):
+        """Swaps what layer `name` saved that is no layer output, if the
+        plan says so, and frees it: nothing but autograd holds it."""
+        pending, self.pending = self.pending, []
+        if name not in self.layout.swap_internal:
+            return
+        tags = set(self.sharers)
+        for key, storage in dict(pending).items():
+            if key in tags or key not in self.saved:
+                continue
+            self._copy_out(key, storage, self.saved[key][0].tensor.device)
+            if key in self.copies:
+                self.storages[key] = storage
+                self._free(key)
+
+    def _copy_out(self, key, storage, device):
+        if storage.nbytes() < MIN_BYTES or key in self.copies:
+            return  # Small: autograd keeps it on the device.
+        host = self.pool.take(storage.nbytes())
+        if host is None:
+            self.stats["swaps_skipped"] += 1
+            return
+        flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        event = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            flat.record_stream(self.stream)  # No reuse before the copy ends.
+            self.in_flight.append((event, storage.nbytes()))
+        else:
+            host.copy_(flat)
+        self.copies[key] = Copy(host, storage.nbytes(), device, event)
+        self.stats["bytes_to_host"] += storage.nbytes()
+
+    def _release(self, tag):
+        """Frees a tag's storage once no forward reader of any tensor on it
+        is left, unless autograd holds it and it has no host copy."""
+        key = self.keys.get(tag)
+        if key is None or key not in self.storages:
+            return
+        if not self.sharers[key] <= self.done:
+            return
+        if key not in self.copies and key in self.saved_keys:
+            return  # Kept: the backward pass reads it.
+        self._free(key)
+        for name in self.sharers.pop(key):
+            self.keys.pop(name, None)
+
+    def _free(self, key):
+        """Points autograd's handles at the host copy; frees the storage."""
+        # The key is an address: once freed, a new storage may get it.
+        copy = self.copies.pop(key, None)
+        for handle in self.saved.pop(key, ()):
+            handle.tensor, handle.copy = None, copy
+        storage = self.storages.pop(key)
+        self.stats["bytes_freed_early"] += storage.nbytes()
+        storage.resize_(0)
+        self.saved_keys.discard(key)
+
+    def _bound_in_flight(self):
+        while self.in_flight and self.in_flight[0][0].query():
+            self.in_flight.popleft()
+        limit = self.layout.max_in_flight
+        while limit is not None and sum(n for _, n in self.in_flight) > limit:
+            self.in_flight.popleft()[0].synchronize()
+
+    # ------------------------------------------------------- the backward
+
+    def _arm_prefetch(self, name, tensors):
+        tags = self.layout.prefetch_at.get(name)
+        grad = next((x for x in tensors if x.requires_grad), None)
+        if not tags or grad is None:
+            return
+        # Weak: the copy must die with autograd's last handle, not the hook.
+        copies = [weakref.ref(self.copies[self.keys[t]]) for t in tags
+                  if self.keys.get(t) in self.copies]
+        grad.register_hook(lambda g: self._prefetch(copies))
+
+    def _prefetch(self, copies):
+        for ref in copies:
+            copy = ref()
+            if copy is not None and copy.gpu is None:
+                self.fetch(copy)
+
+    def fetch(self, copy):
+        """Starts copying `copy` back to its device (synchronous on a CPU)."""
+        copy.gpu = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+        self.stats["bytes_to_device"] += copy.nbytes
+        if self.stream is None:
+            copy.gpu.copy_(copy.host)
+            return
+        # The new block may still be read by queued compute: copy after it.
+        self.stream.wait_stream(torch.cuda.current_stream(copy.device))
+        with torch.cuda.stream(self.stream):
+            copy.gpu.copy_(copy.host, non_blocking=True)
+            copy.h2d = torch.cuda.Event()
+            copy.h2d.record(self.stream)

@@ -1,0 +1,449 @@
+"""GPU evidence for swap: predicted against measured, the largest batch under
+a cap, and throughput, on one Keras backend.
+
+    python3 recipes/gpu_swap.py --backend torch --out results/gpu_swap_torch.json
+
+Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
+
+- equivalence: a small CNN whose activations are over 1 MiB, trained with
+  `AutoVM(policy="offload_all")` and without, deterministic kernels: are
+  the weights identical?
+- predict: keep_all, offload_all and greedy_offload (budget: 60% of what
+  keep_all needs) at two batch sizes, no cap: the plan's predicted peak and
+  step time (after AutoVM's calibration) against the measured ones.
+- largest: under a memory cap (`--cap-gib`), the largest batch that trains
+  for in-core, `keras.RematScope(mode="full")`, AutoVM restricted to keep
+  and recompute, and AutoVM with swap. AutoVM's own planner predicts its
+  largest batch, which is then run (and stepped down 10% at a time while it
+  runs out of memory); in-core and RematScope are searched by bisection.
+- throughput: each method at the largest batch all of them train, under the
+  cap, against in-core without a cap, as ratios.
+
+Each model and part runs in its own process (the cap is per process); every
+result waits for the device (the loss is read back each step). Writes one
+JSON file with device, versions, date, command and all measurements, and
+prints tables last.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+GiB = 2**30
+METHODS = ("incore", "remat", "autovm_recompute", "autovm_swap")
+AUTOVM_KWARGS = {}  # The CPU smoke test passes apply_without_gpu=True.
+
+
+# ------------------------------------------------------------ in the child
+
+
+def setup(backend, cap_gib):
+    """Caps the backend's allocator (before anything touches the GPU)."""
+    if backend == "jax" and cap_gib:
+        total = _total_gib()
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{cap_gib / total:.4f}"
+    import keras  # noqa: F401 -- the backend is fixed from here on
+    if backend == "tensorflow" and cap_gib:
+        import tensorflow as tf
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        tf.config.set_logical_device_configuration(
+            gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=int(cap_gib * 1024))])
+    if backend == "torch":
+        set_torch_cap(cap_gib)
+
+
+def set_torch_cap(cap_gib):
+    import torch
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total) if cap_gib else 1.0)
+
+
+def _total_gib():
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    return float(out.stdout.split()[0]) / 1024
+
+
+def build(name, remat=False):
+    import keras
+    keras.utils.set_random_seed(0)
+    make = {"vgg19": keras.applications.VGG19,
+            "resnet152": keras.applications.ResNet152}[name]
+    if remat:
+        with keras.RematScope(mode="full"):
+            model = make(weights=None)
+    else:
+        model = make(weights=None)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
+@contextlib.contextmanager
+def without_swap(active):
+    """Makes AutoVM's `auto` choose among keep and recompute only."""
+    import keras_autovm
+    get = keras_autovm.mechanisms.get
+
+    def restricted():
+        mechanism = get()
+        actions = tuple(a for a in mechanism.auto_actions() if a != "swap")
+        mechanism.auto_actions = lambda: actions
+        return mechanism
+
+    if active:
+        keras_autovm.mechanisms.get = restricted
+    try:
+        yield
+    finally:
+        keras_autovm.mechanisms.get = get
+
+
+def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None):
+    """Trains `steps` steps per epoch; returns measurements or the failure."""
+    import keras
+    import numpy as np
+
+    backend = keras.backend.backend()
+    reset_peak(backend)
+    out = {"method": method, "batch": batch, "policy": policy}
+    try:
+        model = build(model_name, remat=method == "remat")
+        callbacks = [timer()]
+        if method.startswith("autovm"):
+            import keras_autovm
+            callbacks.insert(0, keras_autovm.AutoVM(budget=budget, policy=policy,
+                                                    verbose=0, **AUTOVM_KWARGS))
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
+        y = rng.integers(0, 1000, batch * steps)
+        with without_swap(method == "autovm_recompute"):
+            model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
+                      callbacks=callbacks, verbose=0)
+        times = callbacks[-1].times[1:] or callbacks[-1].times
+        out.update(status="ok", step_s=float(np.median(times)),
+                   images_per_s=batch / float(np.median(times)))
+        if method.startswith("autovm"):
+            out.update(plan_facts(callbacks[0]))
+    except Exception as error:  # noqa: BLE001 -- every failure is a result
+        text = f"{type(error).__name__}: {error}"
+        oom = any(k in text for k in ("out of memory", "OutOfMemory", "RESOURCE_EXHAUSTED", "OOM"))
+        out.update(status="oom" if oom else "error", error=text[-1500:])
+    out["peak_bytes"] = peak(backend)
+    free(backend)
+    return out
+
+
+def plan_facts(callback):
+    plan, epochs = callback.plan, callback.report.epochs
+    return {"counts": plan.counts(), "chosen": plan.policy,
+            "predicted_peak_bytes": plan.result.peak_bytes,
+            # The step time predicted after the first epoch's calibration.
+            "predicted_step_s": epochs[-1]["predicted_step_time"],
+            "stats": callback.report.stats}
+
+
+def timer():
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])  # Waits for the device.
+            self.times.append(time.perf_counter() - self.start)
+
+    return StepTimer()
+
+
+def reset_peak(backend):
+    if not _gpu():
+        return
+    if backend == "torch":
+        import torch
+        torch.cuda.reset_peak_memory_stats()
+    elif backend == "tensorflow":
+        import tensorflow as tf
+        tf.config.experimental.reset_memory_stats("GPU:0")
+
+
+def peak(backend):
+    if not _gpu():
+        return None
+    if backend == "torch":
+        import torch
+        return torch.cuda.max_memory_allocated()
+    if backend == "tensorflow":
+        import tensorflow as tf
+        return tf.config.experimental.get_memory_info("GPU:0")["peak"]
+    import jax
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def _gpu():
+    import keras_autovm
+    return keras_autovm.mechanisms.get().gpu_available()
+
+
+def free(backend):
+    import gc
+    import keras
+    keras.backend.clear_session()
+    gc.collect()
+    if backend == "torch" and _gpu():
+        import torch
+        torch.cuda.empty_cache()
+
+
+def predicted_largest(model_name, method, cap_bytes, hi=2048):
+    """The largest batch AutoVM's planner says fits the cap."""
+    import keras_autovm
+    model = build(model_name)
+    with without_swap(method == "autovm_recompute"):
+        mechanism = keras_autovm.mechanisms.get()
+    policy = "keep_all" if method == "incore" else "auto"
+
+    def fits(batch):
+        try:
+            graph = keras_autovm.budget.graph_for(model, batch, mechanism)
+            keras_autovm.budget.plan_within(
+                graph, cap_bytes, keras_autovm.budget.DEFAULT_HEADROOM, policy,
+                keras_autovm.calibration.measured_cost(mechanism), mechanism)
+            return True
+        except keras_autovm.PlanError:
+            return False
+
+    lo, top = 0, hi
+    while lo < top:
+        mid = (lo + top + 1) // 2
+        lo, top = (mid, top) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def part_equivalence(args):
+    import keras
+    import numpy as np
+    import keras_autovm
+
+    def run(callbacks):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((64, 64, 3))
+        x = inputs
+        for f in (64, 64, 64):
+            x = keras.layers.Conv2D(f, 3, padding="same", activation="relu")(x)
+            x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        model = keras.Model(inputs, keras.layers.Dense(10)(x))
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        rng = np.random.default_rng(0)
+        data = rng.normal(size=(256, 64, 64, 3)).astype("float32")
+        target = rng.normal(size=(256, 10)).astype("float32")
+        model.fit(data, target, batch_size=64, epochs=2, shuffle=False,
+                  callbacks=callbacks, verbose=0)
+        return model.get_weights()
+
+    callback = keras_autovm.AutoVM(budget=None, policy="offload_all", verbose=0)
+    swapped, plain = run([callback]), run([])
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(swapped, plain)]
+    return {"identical": all(d == 0 for d in diffs), "max_abs_weight_diff": max(diffs),
+            "counts": callback.plan.counts(), "stats": callback.report.stats}
+
+
+def part_predict(args):
+    batches = [int(b) for b in args.predict_batches[args.model].split(",")]
+    runs = []
+    for batch in batches:
+        keep = train(args.model, "autovm_keep", batch, args.steps, policy="keep_all")
+        runs.append(keep)
+        budget = int(keep["predicted_peak_bytes"] * 0.6) if keep["status"] == "ok" else None
+        runs.append(train(args.model, "autovm_offload", batch, args.steps, policy="offload_all"))
+        runs.append(train(args.model, "autovm_greedy", batch, args.steps,
+                          policy="greedy_offload", budget=budget))
+    return runs
+
+
+def part_largest(args):
+    cap = args.cap_gib * GiB
+    found = {}
+    for method in args.methods.split(","):
+        tries = []
+        if method.startswith("autovm") or method == "incore":
+            batch = predicted_largest(args.model, method, cap)
+            found_pred = batch
+            for _ in range(10):  # Down 10% at a time while it runs out of memory.
+                tries.append(train(args.model, method, batch, 3, epochs=1))
+                if tries[-1]["status"] == "ok" or batch <= 1:
+                    break
+                batch = int(batch * 0.9)
+            found[method] = {"predicted": found_pred, "tries": tries,
+                             "largest": batch if tries[-1]["status"] == "ok" else None}
+        else:
+            low = found.get("incore", {}).get("largest") or 8
+            found[method] = bisect(args.model, method, low, low * 4, tries)
+        print(f"[largest] {method}: {found[method].get('largest')}", flush=True)
+    return found
+
+
+def bisect(model_name, method, low, high, tries):
+    """Largest batch in [low, high] that trains, by bisection (low trains)."""
+    while high - low > max(2, low // 16):
+        mid = (low + high) // 2
+        tries.append(train(model_name, method, mid, 3, epochs=1))
+        low, high = (mid, high) if tries[-1]["status"] == "ok" else (low, mid)
+    return {"largest": low, "tries": tries}
+
+
+def part_throughput(args):
+    batch = args.shared_batch
+    runs = {}
+    set_cap = set_torch_cap if args.backend == "torch" else None
+    if set_cap:
+        set_cap(None)
+        runs["incore_uncapped"] = train(args.model, "incore", batch, args.steps)
+        set_cap(args.cap_gib)
+    for method in args.methods.split(","):
+        runs[method] = train(args.model, method, batch, args.steps)
+    return runs
+
+
+def child(args):
+    setup(args.backend, args.cap_gib if args.part in ("largest", "throughput") else None)
+    result = {"part": args.part, "model": args.model}
+    try:
+        result["result"] = globals()[f"part_{args.part}"](args)
+        result["status"] = "ok"
+    except Exception as error:  # noqa: BLE001
+        import traceback
+        result.update(status="error", error=traceback.format_exc()[-3000:])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------ the parent
+
+
+def spawn(args, part, model, extra=()):
+    env = dict(os.environ, KERAS_BACKEND=args.backend, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, __file__, "--child", "--backend", args.backend,
+           "--part", part, "--model", model, "--cap-gib", str(args.cap_gib),
+           "--steps", str(args.steps), "--methods", args.methods] + list(extra)
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
+        text = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as error:
+        text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else str(error.stdout)
+        return {"part": part, "model": model, "status": "timeout",
+                "wall_s": time.time() - start, "log_tail": text[-2000:]}
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(lines[-1][7:]) if lines else {"status": "crashed", "part": part}
+    result.update(wall_s=time.time() - start, log_tail=text[-2000:])
+    print(f"{part} {model}: {result['status']} ({result['wall_s']:.0f} s)", flush=True)
+    return result
+
+
+def versions(backend):
+    import keras
+    out = {"keras": keras.__version__, "python": platform.python_version()}
+    module = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}[backend]
+    out[module] = __import__(module).__version__
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True)
+    out["gpu"] = smi.stdout.strip()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="torch", choices=("torch", "tensorflow", "jax"))
+    parser.add_argument("--models", default="vgg19,resnet152")
+    parser.add_argument("--parts", default="equivalence,predict,largest,throughput")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--cap-gib", type=float, default=8.0)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shared-batch", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.predict_batches = {"vgg19": "32,64", "resnet152": "32,64"}
+    if args.child:
+        return child(args)
+    os.environ["KERAS_BACKEND"] = args.backend
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
+               "versions": versions(args.backend), "parts": {}}
+
+    def save():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    parts = args.parts.split(",")
+    if "equivalence" in parts:
+        results["parts"]["equivalence"] = spawn(args, "equivalence", "small")
+        save()
+    for model in args.models.split(","):
+        got = results["parts"].setdefault(model, {})
+        for part in ("predict", "largest"):
+            if part in parts:
+                got[part] = spawn(args, part, model)
+                save()
+        if "throughput" in parts:
+            largest = got.get("largest", {}).get("result", {})
+            shared = min([v["largest"] for v in largest.values() if v.get("largest")] or [32])
+            got["throughput"] = spawn(args, "throughput", model,
+                                      ["--shared-batch", str(shared)])
+            save()
+    save()
+    tables(results)
+
+
+def tables(results):
+    print(f"\n{results['versions']}, cap {results['cap_gib']} GiB")
+    eq = results["parts"].get("equivalence", {}).get("result")
+    if eq:
+        print(f"equivalence: identical={eq['identical']} max|dw|={eq['max_abs_weight_diff']:.3g} "
+              f"counts={eq['counts']}")
+    for model, parts in results["parts"].items():
+        if model == "equivalence":
+            continue
+        for run in parts.get("predict", {}).get("result", []) or []:
+            if run.get("status") != "ok":
+                print(f"{model} b{run['batch']} {run['policy']}: {run['status']}")
+                continue
+            print(f"{model} b{run['batch']} {run['policy']:15} peak {run['peak_bytes'] / GiB:6.2f} "
+                  f"measured / {run['predicted_peak_bytes'] / GiB:6.2f} predicted "
+                  f"({run['peak_bytes'] / run['predicted_peak_bytes']:.3f}); step "
+                  f"{run['step_s'] * 1e3:7.1f} / {run['predicted_step_s'] * 1e3:7.1f} ms "
+                  f"({run['step_s'] / run['predicted_step_s']:.3f})")
+        largest = parts.get("largest", {}).get("result", {})
+        base = (largest.get("incore") or {}).get("largest")
+        for method, found in largest.items():
+            ratio = f"{found['largest'] / base:.2f}x" if base and found.get("largest") else "-"
+            print(f"{model} largest batch {method:17} {found.get('largest')} "
+                  f"(predicted {found.get('predicted', '-')}) {ratio} in-core")
+        runs = parts.get("throughput", {}).get("result", {})
+        ref = (runs.get("incore_uncapped") or {}).get("images_per_s")
+        for method, run in runs.items():
+            ips = run.get("images_per_s")
+            print(f"{model} b{run.get('batch')} {method:17} {run.get('status')} "
+                  f"{(ips or 0):7.1f} img/s " + (f"{ips / ref:.2f}x" if ips and ref else ""))
+
+
+if __name__ == "__main__":
+    main()
