@@ -90,3 +90,17 @@ def test_bookkeeping_is_per_step_and_bounded():
     steps = 2 * 4
     per_step = callback.report.stats["bytes_to_host"] / steps
     assert per_step <= mechanism._pool.nbytes
+
+
+def test_profile_leaves_no_graph_behind():
+    """Measuring must not keep the forward's graph (and its saved tensors)
+    alive: a pack hook returning a node's own output makes a cycle."""
+    import gc
+    import torch
+    from keras_autovm.mechanisms.torch import profile
+    model = small_cnn()
+    profile.measure(model)
+    gc.collect()
+    alive = [o for o in gc.get_objects()
+             if type(o) in (torch.Tensor, torch.nn.Parameter) and o.grad_fn is not None]
+    assert not alive, [tuple(t.shape) for t in alive[:5]]

@@ -91,7 +91,9 @@ def _run(model, batch_size):
 
     def pack(tensor):
         packed.append(tensor)  # Held: no storage is reused meanwhile.
-        return tensor
+        # Not the tensor: a node saving its own output would then hold
+        # itself, a cycle no backward pass breaks here (the graph leaked).
+        return None
 
     def around(operation, run, args):
         del packed[:len(packed)]
@@ -113,6 +115,7 @@ def _run(model, batch_size):
     with keras.StatelessScope(state_mapping=state), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             internals.run_calls(model, inputs, around)
+    packed.clear()
     return found
 
 

@@ -1,0 +1,159 @@
+"""Where torch's device memory goes, layer by layer, against the plan.
+
+    python3 recipes/gpu_torch_memory_trace.py --model resnet152 --batch 32 \
+        --policy offload_all --out results/gpu_torch_memory_trace.json
+
+Trains two steps with `AutoVM(policy=...)` on the torch backend and, in the
+second step, records `torch.cuda.memory_allocated()` and the peak since the
+previous record after each layer's forward (AutoVM's `after_layer`) and
+when each layer's backward starts (a hook on its output's gradient), next
+to the memory the plan's simulation predicts at the same points. Writes the
+trace as JSON, and prints the points where measured and predicted differ
+most.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet152")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--policy", default="offload_all")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--snapshot-at", default="step_begin:",
+                        help="comma-separated kind:op points at which to list the "
+                        "live allocations by the code that made them")
+    args = parser.parse_args()
+    wanted = set(args.snapshot_at.split(","))
+    snapshots = {}
+
+    import keras
+    import numpy as np
+    import torch
+
+    import keras_autovm
+    from keras_autovm.mechanisms.torch import mechanism as torch_mechanism
+
+    trace, state = [], {"on": False}
+
+    def record(kind, name):
+        if state["on"]:
+            trace.append({"kind": kind, "op": name,
+                          "allocated": torch.cuda.memory_allocated(),
+                          "peak_since_last": torch.cuda.max_memory_allocated()})
+            torch.cuda.reset_peak_memory_stats()
+            if f"{kind}:{name}" in wanted:
+                snapshots[f"{kind}:{name}"] = live_by_origin(torch)
+
+    original = torch_mechanism.TorchMechanism.after_layer
+
+    def after_layer(self, name, outputs, applied):
+        outputs = original(self, name, outputs, applied)
+        record("fwd_end", name)
+        grad = next((x for x in keras.tree.flatten(outputs)
+                     if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        if grad is not None and state["on"]:
+            grad.register_hook(lambda g, name=name: record("bwd_start", name))
+        return outputs
+
+    torch_mechanism.TorchMechanism.after_layer = after_layer
+
+    class Second(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            state["on"] = batch == 1
+            if state["on"]:
+                torch.cuda.memory._record_memory_history(max_entries=200000)
+                torch.cuda.synchronize()
+                record("step_begin", "")
+
+        def on_train_batch_end(self, batch, logs=None):
+            if state["on"]:
+                torch.cuda.synchronize()
+                record("step_end", "")
+                state["on"] = False
+
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, {"vgg19": "VGG19", "resnet152": "ResNet152"}[args.model])(
+        weights=None)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(args.batch * 2, 224, 224, 3)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 1000, args.batch * 2)
+    callback = keras_autovm.AutoVM(budget=None, policy=args.policy, verbose=0)
+    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback, Second()])
+    plan = callback.plan
+    predicted = predicted_points(plan)
+    for point in trace:
+        point["predicted"] = predicted.get((point["kind"], point["op"]))
+    out = {"model": args.model, "batch": args.batch, "policy": args.policy,
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "predicted_peak": plan.result.peak_bytes, "counts": plan.counts(),
+           "persistent_bytes": plan.graph.persistent_bytes, "trace": trace,
+           "snapshots": snapshots,
+           "stats": callback.report.stats}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    worst = sorted((p for p in trace if p["predicted"]),
+                   key=lambda p: p["peak_since_last"] - p["predicted"][1], reverse=True)
+    for point, groups in snapshots.items():
+        print(f"live at {point}:")
+        for g in groups[:12]:
+            print(f"  {g['bytes'] / 2**30:7.3f} GiB {g['blocks']:5d} blocks  {g['where']}")
+    print(f"predicted peak {plan.result.peak_bytes / 2**30:.2f} GiB, measured max "
+          f"{max(p['peak_since_last'] for p in trace) / 2**30:.2f} GiB")
+    for p in worst[:8]:
+        print(f"{p['kind']:9} {p['op']:28} allocated {p['allocated'] / 2**30:6.2f} "
+              f"peak {p['peak_since_last'] / 2**30:6.2f} | predicted at {p['predicted'][0] / 2**30:6.2f}"
+              f" max {p['predicted'][1] / 2**30:6.2f}")
+
+
+def live_by_origin(torch):
+    """Live allocations summed by the innermost Python frame that made them."""
+    groups = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [f for f in block.get("frames", []) if f["filename"].endswith(".py")]
+            where = next((f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+                          for f in frames if "torch/" not in f["filename"]
+                          or "checkpoint" in f["filename"]), "?")
+            entry = groups.setdefault(where, [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:30]
+    return [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in top]
+
+
+def predicted_points(plan):
+    """(kind, op) -> (predicted bytes at that point, max since the last point)."""
+    r = plan.result
+    times = {}
+    for e in r.op_events:
+        if e.phase == "fwd":
+            times[("fwd_end", e.op)] = e.end
+        elif e.phase == "bwd":
+            times[("bwd_start", e.op)] = e.start
+    ordered = sorted(times.items(), key=lambda kv: kv[1])
+    out, k, running_max = {}, 0, 0
+    timeline = r.timeline
+    for key, t in ordered:
+        while k < len(timeline) and timeline[k][0] <= t:
+            running_max = max(running_max, timeline[k][1])
+            k += 1
+        now = timeline[k - 1][1] if k else timeline[0][1]
+        out[key] = (now, running_max)
+        running_max = now
+    return out
+
+
+if __name__ == "__main__":
+    main()
