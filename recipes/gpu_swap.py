@@ -15,7 +15,8 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   for in-core, `keras.RematScope(mode="full")`, AutoVM restricted to keep
   and recompute, and AutoVM with swap. AutoVM's own planner predicts its
   largest batch, which is then run (and stepped down 10% at a time while it
-  runs out of memory); in-core and RematScope are searched by bisection.
+  runs out of memory, up while it trains); so is in-core's, from the
+  keep-all plan; RematScope is searched by bisection above in-core's.
 - throughput: each method at the largest batch all of them train, under the
   cap, against in-core without a cap, as ratios.
 
@@ -299,52 +300,79 @@ def part_predict(args):
     return runs
 
 
-def part_largest(args):
-    cap = args.cap_gib * GiB
+def part_one(args):
+    """One training run (its own process: nothing of an earlier run stays)."""
+    return train(args.model, args.method, args.batch, args.steps, epochs=args.epochs)
+
+
+def part_plan(args):
+    """The largest batch AutoVM's planner predicts for each method."""
+    return {m: predicted_largest(args.model, m, args.cap_gib * GiB)
+            for m in args.methods.split(",") if m.startswith("autovm") or m == "incore"}
+
+
+def largest(args, model):
+    """The largest batch each method trains under the cap, one process a try."""
+    predicted = spawn(args, "plan", model).get("result", {})
     found = {}
     for method in args.methods.split(","):
         tries = []
-        if method.startswith("autovm") or method == "incore":
-            batch = predicted_largest(args.model, method, cap)
-            found_pred = batch
-            for _ in range(10):  # Down 10% at a time while it runs out of memory.
-                tries.append(train(args.model, method, batch, 3, epochs=1))
-                if tries[-1]["status"] == "ok" or batch <= 1:
-                    break
-                batch = int(batch * 0.9)
-            found[method] = {"predicted": found_pred, "tries": tries,
-                             "largest": batch if tries[-1]["status"] == "ok" else None}
-        else:
-            low = found.get("incore", {}).get("largest") or 8
-            found[method] = bisect(args.model, method, low, low * 4, tries)
-        print(f"[largest] {method}: {found[method].get('largest')}", flush=True)
+        if method in predicted:
+            found[method] = dict(step_from(args, model, method, predicted[method], tries),
+                                 predicted=predicted[method])
+        else:  # RematScope: bisect above what in-core trains.
+            low = (found.get("incore") or {}).get("largest") or 8
+            high = low * 4
+            while high - low > max(2, low // 16):
+                mid = (low + high) // 2
+                tries.append(one(args, model, method, mid))
+                low, high = (mid, high) if tries[-1].get("status") == "ok" else (low, mid)
+            found[method] = {"largest": low, "tries": tries}
+        print(f"[largest] {model} {method}: {found[method]['largest']}", flush=True)
     return found
 
 
-def bisect(model_name, method, low, high, tries):
-    """Largest batch in [low, high] that trains, by bisection (low trains)."""
-    while high - low > max(2, low // 16):
-        mid = (low + high) // 2
-        tries.append(train(model_name, method, mid, 3, epochs=1))
-        low, high = (mid, high) if tries[-1]["status"] == "ok" else (low, mid)
-    return {"largest": low, "tries": tries}
+def step_from(args, model, method, batch, tries):
+    """From a predicted batch: down 10% at a time while it runs out of
+    memory; up 10% at a time while it trains (at most 3 steps up)."""
+    tries.append(one(args, model, method, batch))
+    ok = tries[-1].get("status") == "ok"
+    best = batch if ok else None
+    for _ in range(3 if ok else 8):
+        batch = int(batch * 1.1) + 1 if ok else int(batch * 0.9)
+        if batch < 1:
+            break
+        tries.append(one(args, model, method, batch))
+        if (tries[-1].get("status") == "ok") != ok:
+            break
+        best = batch if ok else best
+    if not ok and tries[-1].get("status") == "ok":
+        best = batch
+    return {"largest": best, "tries": tries}
 
 
-def part_throughput(args):
-    batch = args.shared_batch
-    runs = {}
-    set_cap = set_torch_cap if args.backend == "torch" else None
-    if set_cap:
-        set_cap(None)
-        runs["incore_uncapped"] = train(args.model, "incore", batch, args.steps)
-        set_cap(args.cap_gib)
+def one(args, model, method, batch, steps=3, epochs=1, capped=True):
+    extra = ["--method", method, "--batch", str(batch), "--epochs", str(epochs),
+             "--steps", str(steps)]
+    if not capped:
+        extra.append("--uncapped")
+    result = spawn(args, "one", model, extra, quiet=True)
+    run = result.get("result") or {"status": result.get("status"), "batch": batch}
+    print(f"  {method} b{batch}: {run.get('status')}", flush=True)
+    return run
+
+
+def throughput(args, model, batch):
+    """Each method at `batch` under the cap, and in-core without it."""
+    runs = {"incore_uncapped": one(args, model, "incore", batch, args.steps, 2, capped=False)}
     for method in args.methods.split(","):
-        runs[method] = train(args.model, method, batch, args.steps)
+        runs[method] = one(args, model, method, batch, args.steps, 2)
     return runs
 
 
 def child(args):
-    setup(args.backend, args.cap_gib if args.part in ("largest", "throughput") else None)
+    capped = args.part in ("one", "plan") and not args.uncapped
+    setup(args.backend, args.cap_gib if capped else None)
     result = {"part": args.part, "model": args.model}
     try:
         result["result"] = globals()[f"part_{args.part}"](args)
@@ -358,14 +386,16 @@ def child(args):
 # ------------------------------------------------------------ the parent
 
 
-def spawn(args, part, model, extra=()):
+def spawn(args, part, model, extra=(), quiet=False):
     env = dict(os.environ, KERAS_BACKEND=args.backend, PYTHONUNBUFFERED="1",
                CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if args.backend == "jax" and part == "equivalence":
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
     cmd = [sys.executable, __file__, "--child", "--backend", args.backend,
            "--part", part, "--model", model, "--cap-gib", str(args.cap_gib),
-           "--steps", str(args.steps), "--methods", args.methods] + list(extra)
+           "--methods", args.methods] + list(extra)
+    if "--steps" not in extra:
+        cmd += ["--steps", str(args.steps)]
     start = time.time()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -378,7 +408,8 @@ def spawn(args, part, model, extra=()):
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     result = json.loads(lines[-1][7:]) if lines else {"status": "crashed", "part": part}
     result.update(wall_s=time.time() - start, log_tail=text[-2000:])
-    print(f"{part} {model}: {result['status']} ({result['wall_s']:.0f} s)", flush=True)
+    if not quiet:
+        print(f"{part} {model}: {result['status']} ({result['wall_s']:.0f} s)", flush=True)
     return result
 
 
@@ -406,7 +437,10 @@ def main():
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--shared-batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--uncapped", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.predict_batches = {"vgg19": "32,64", "resnet152": "32,64"}
     if args.child:
@@ -428,15 +462,16 @@ def main():
         save()
     for model in args.models.split(","):
         got = results["parts"].setdefault(model, {})
-        for part in ("predict", "largest"):
-            if part in parts:
-                got[part] = spawn(args, part, model)
-                save()
+        if "predict" in parts:
+            got["predict"] = spawn(args, "predict", model)
+            save()
+        if "largest" in parts:
+            got["largest"] = {"result": largest(args, model)}
+            save()
         if "throughput" in parts:
-            largest = got.get("largest", {}).get("result", {})
-            shared = min([v["largest"] for v in largest.values() if v.get("largest")] or [32])
-            got["throughput"] = spawn(args, "throughput", model,
-                                      ["--shared-batch", str(shared)])
+            found = got.get("largest", {}).get("result", {})
+            shared = min([v["largest"] for v in found.values() if v.get("largest")] or [32])
+            got["throughput"] = {"result": throughput(args, model, shared)}
             save()
     save()
     tables(results)
