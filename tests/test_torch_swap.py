@@ -37,7 +37,7 @@ def test_profile_finds_what_torch_layers_save():
     # A channels-last convolution saves a copy of its input, not the input;
     # with a fused relu it saves its own output.
     assert "r1" not in saved["c2"].tags and "c2" in saved["c2"].tags
-    assert saved["c2"].per_sample == 16 * 16 * 8 * 4
+    assert saved["c2"].internal[1] == 16 * 16 * 8 * 4
     # A ReLU layer saves its output; batch norm its input.
     assert saved["r1"].tags == {"r1"} and "c1" in saved["bn1"].tags
     graph = keras_autovm.plan(small_cnn(), 8, budget="1GiB").graph
@@ -45,6 +45,20 @@ def test_profile_finds_what_torch_layers_save():
     assert tensors["r1"].bwd_readers == ("r1",)
     assert tensors["c2:saved"].internal and tensors["c2:saved"].bwd_readers == ("c2",)
     assert tensors["c2:saved"].nbytes == saved["c2"].internal_bytes(8)
+
+
+def test_measured_transients_become_workspace():
+    """What a layer allocates only while it runs (measured on a GPU) is the
+    op's workspace in the plan, scaled to the batch size."""
+    from keras_autovm.mechanisms.torch import profile
+    model = small_cnn()
+    measured = profile.measure(model)
+    measured["c2"] = profile.Saved(measured["c2"].tags, measured["c2"].internal,
+                                   workspace=(1000.0, 64.0))
+    graph = keras_autovm.budget.build_graph(model, 8)
+    ops = {op.name: op for op in profile.adjust(graph, measured).ops}
+    assert ops["c2"].workspace_bytes == 1000 + 64 * 8
+    assert ops["c3"].workspace_bytes == measured["c3"].workspace_bytes(8)
 
 
 def test_profile_changes_no_layer_state():
