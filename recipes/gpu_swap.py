@@ -433,6 +433,9 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=8.0)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--shared-batch", type=int, default=None,
+                        help="the batch for the throughput part (default: the "
+                        "smallest largest batch found)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -470,7 +473,8 @@ def main():
             save()
         if "throughput" in parts:
             found = got.get("largest", {}).get("result", {})
-            shared = min([v["largest"] for v in found.values() if v.get("largest")] or [32])
+            shared = args.shared_batch or min(
+                [v["largest"] for v in found.values() if v.get("largest")] or [32])
             got["throughput"] = {"result": throughput(args, model, shared)}
             save()
     save()
