@@ -377,7 +377,7 @@ def child(args):
     try:
         result["result"] = globals()[f"part_{args.part}"](args)
         result["status"] = "ok"
-    except Exception as error:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- the failure is the result
         import traceback
         result.update(status="error", error=traceback.format_exc()[-3000:])
     print("RESULT " + json.dumps(result), flush=True)
