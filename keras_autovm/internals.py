@@ -253,17 +253,18 @@ def tf_replace_input(op, index, tensor):
     op._update_input(index, tensor)
 
 
-def tf_optimized_graphs(fn, *args):
-    """Runs `fn(*args)` (a `tf.function`) and returns the graphs it ran.
+def tf_function_graphs(fn, *args):
+    """Runs `fn(*args)` and returns the graphs of the functions it ran.
 
-    A list with one `(pre_optimization, post_optimization)` pair of
-    `GraphDef`s per function TensorFlow instantiated during the call (a
-    function already run before is not listed), the second after
-    Grappler. Tests and the GPU recipe use it to show that the swap's
-    copies survive Grappler. The eager context's run metadata
-    (`enable_run_metadata`, `export_run_metadata`) has no public reader in
-    TF2 (`tf.summary.trace_export` writes it to event files). TensorFlow
-    2.21.0.
+    One `RunMetadata.FunctionGraphs` per function TensorFlow instantiated
+    during the call (a function already run before is not listed), with
+    `pre_optimization_graph`, `post_optimization_graph` (after Grappler)
+    and `partition_graphs` (one per device, with the Send/Recv pairs
+    between them). Tests and the GPU recipe use it to show that the swap's
+    copies survive Grappler and cross devices when planned. The eager
+    context's run metadata (`enable_run_metadata`, `export_run_metadata`)
+    has no public reader in TF2 (`tf.summary.trace_export` writes it to
+    event files). TensorFlow 2.21.0.
     """
     from tensorflow.python.eager import context
 
@@ -274,6 +275,4 @@ def tf_optimized_graphs(fn, *args):
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
-    return [(g.pre_optimization_graph, g.post_optimization_graph)
-            for g in metadata.function_graphs]
-
+    return list(metadata.function_graphs)

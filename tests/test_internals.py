@@ -184,7 +184,7 @@ def test_tf_tape_reaches():
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graphs")
-def test_tf_replace_input_and_optimized_graphs():
+def test_tf_replace_input_and_function_graphs():
     import tensorflow as tf
 
     @tf.function
@@ -194,7 +194,8 @@ def test_tf_replace_input_and_optimized_graphs():
         return total
 
     # Graphs of the functions TensorFlow instantiates during the call.
-    graphs = internals.tf_optimized_graphs(f, tf.constant(1.0), tf.constant(10.0))
+    graphs = internals.tf_function_graphs(f, tf.constant(1.0), tf.constant(10.0))
     assert float(f(tf.constant(1.0), tf.constant(10.0))) == 11.0
-    assert graphs and all(len(pre.node) and len(post.node) for pre, post in graphs)
-    assert any(n.op == "AddV2" for _, post in graphs for n in post.node)
+    assert graphs and all(g.pre_optimization_graph.node and g.partition_graphs
+                          for g in graphs)
+    assert any(n.op == "AddV2" for g in graphs for n in g.post_optimization_graph.node)

@@ -156,10 +156,10 @@ def traced():
     model = small_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     callback = autovm(small_cnn, "offload_all")
-    graphs = internals.tf_optimized_graphs(lambda: model.fit(
+    graphs = internals.tf_function_graphs(lambda: model.fit(
         *data(16), batch_size=8, callbacks=[callback], verbose=0))
-    _, optimized = max(graphs, key=lambda g: len(g[1].node))
-    return callback, optimized
+    optimized = [g.post_optimization_graph for g in graphs]
+    return callback, max(optimized, key=lambda g: len(g.node))
 
 
 def _consumers(graph_def):
@@ -224,8 +224,8 @@ TWO_DEVICES = """
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras, keras_autovm
-    from tensorflow.python.eager import context
     from conftest import data, small_cnn
+    from keras_autovm import internals
 
     keras.utils.set_random_seed(7)
     # /CPU:1 plays the GPU, /CPU:0 its host.
@@ -234,12 +234,10 @@ TWO_DEVICES = """
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
         callback = keras_autovm.AutoVM(budget="1GiB", policy="offload_all",
                                        verbose=0, apply_without_gpu=True)
-        ctx = context.context()
-        ctx.enable_run_metadata()
-        model.fit(*data(16), batch_size=8, callbacks=[callback], verbose=0)
-        metadata = ctx.export_run_metadata()
+        graphs = internals.tf_function_graphs(lambda: model.fit(
+            *data(16), batch_size=8, callbacks=[callback], verbose=0))
     moves = []
-    for function in metadata.function_graphs:
+    for function in graphs:
         for part in function.partition_graphs:
             for n in part.node:
                 if n.op in ("_Send", "_Recv"):
