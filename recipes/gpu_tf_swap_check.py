@@ -127,6 +127,9 @@ def transfers(function_graphs, device):
              "gates_waiting": 0,
              "device_grads_reading_swapped": []}
     sent, grads = set(), []
+    # Other functions TensorFlow instantiated meanwhile can be listed too.
+    function_graphs = [f for f in function_graphs if any(
+        "autovm_swap_out" in n.name for n in f.post_optimization_graph.node)]
     for function in function_graphs:
         for part in function.partition_graphs:
             for n in part.node:
