@@ -43,9 +43,10 @@ class AutoVM(keras.callbacks.Callback):
 
     What each Keras backend can carry out: JAX keeps, swaps (XLA host
     offloading) and recomputes (`jax.checkpoint`); TensorFlow keeps,
-    recomputes (`tf.recompute_grad`) and, once
-    `keras_autovm.enable_managed_memory()` has been called, swaps by moving
-    the pages of managed memory on a dedicated CUDA stream; torch keeps and
+    recomputes (`tf.recompute_grad`) and swaps, by copies to host memory
+    that the backward pass reads back, or, once
+    `keras_autovm.enable_managed_memory()` has been called, by moving the
+    pages of managed memory on a dedicated CUDA stream; torch keeps and
     recomputes (`torch.utils.checkpoint`). A plan that needs an action the
     backend lacks is not chosen by `"auto"`, and asking for it by name
     raises `NotImplementedError`.

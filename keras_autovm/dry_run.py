@@ -20,7 +20,8 @@ def plan(model: keras.Model, batch_size: int,
 
     A dry run: nothing is trained and the model is not changed. The plan is
     made for the active Keras backend, which decides the actions available
-    (JAX: keep, swap, recompute; TensorFlow and torch: keep, recompute).
+    (JAX and TensorFlow: keep, swap, recompute, `"auto"` choosing no swap;
+    torch: keep, recompute).
 
     Args:
         model: a built Sequential or Functional Keras model.

@@ -7,9 +7,10 @@ import pytest
 import keras_autovm
 from conftest import BACKEND, data, skip_model, small_cnn
 
-# JAX swaps through XLA host offloading; TensorFlow through its page-moving
-# ops (identities on a CPU, so the plumbing and numbers are checked here);
-# torch through saved-tensor hooks and a host pool.
+# JAX swaps through XLA host offloading; TensorFlow through explicit host
+# copies (host to host on a CPU, so the plumbing and numbers are checked
+# here; tests/test_tf_swap.py has more, and the page-moving mode); torch
+# through saved-tensor hooks and a host pool.
 
 
 @pytest.fixture
@@ -71,14 +72,15 @@ def test_swap_trains_like_without_autovm(model_fn, policy, swap_small_tensors):
     if BACKEND == "jax":
         assert stats["checkpointed_traces"] > 0
     elif BACKEND == "tensorflow":
-        # Every swapped tensor got an evict and a backward prefetch.
-        assert stats["evicts_inserted"] >= swaps, stats
-        assert stats["prefetches_inserted"] >= swaps, stats
+        # Every swapped tensor was copied to the host; the backward reads
+        # copies brought back.
+        assert stats["host_copies"] >= swaps, stats
+        assert stats["copy_backs"] > 0 and stats["reads_rewired"] > 0, stats
     else:
         # Copied out and back, and the device copies freed in the forward.
         assert stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0, stats
         assert stats["bytes_freed_early"] >= stats["bytes_to_host"], stats
-    # Moving pages or copying to host and back changes no number.
+    # Copying to the host and back changes no number.
     assert_same_weights(reference, model, exact=BACKEND != "jax")
 
 

@@ -162,3 +162,40 @@ def test_clone_for_routing_leaves_compile_state_alone():
         clone = keras.models.clone_model(model)
     assert not clone.compiled and model.compiled and model.optimizer is optimizer
     np.testing.assert_array_equal(model.predict(data(2)[0], verbose=0).shape, (2, 4))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's tape and graphs")
+def test_tf_tape_reaches():
+    import tensorflow as tf
+
+    x, v = tf.constant(3.0), tf.Variable(2.0)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        with internals.tf_stop_recording():
+            unrecorded = x * 5.0
+        with internals.tf_variable_watcher() as watcher:
+            y = tf.identity(x * v)
+        marked = tf.identity(x)
+        internals.tf_record_operation("Doubles", [marked], [x], lambda g: [2.0 * g])
+    assert tape.gradient(unrecorded, x) is None
+    assert [w.name for w in watcher.watched_variables()] == [v.name]
+    assert float(tape.gradient(y, v)) == 3.0
+    assert float(tape.gradient(marked, x)) == 2.0
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graphs")
+def test_tf_replace_input_and_function_graphs():
+    import tensorflow as tf
+
+    @tf.function
+    def f(a, b):
+        total = tf.add(a, a, name="total")
+        internals.tf_replace_input(total.op, 1, b)
+        return total
+
+    # Graphs of the functions TensorFlow instantiates during the call.
+    graphs = internals.tf_function_graphs(f, tf.constant(1.0), tf.constant(10.0))
+    assert float(f(tf.constant(1.0), tf.constant(10.0))) == 11.0
+    assert graphs and all(g.pre_optimization_graph.node and g.partition_graphs
+                          for g in graphs)
+    assert any(n.op == "AddV2" for g in graphs for n in g.post_optimization_graph.node)

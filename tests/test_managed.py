@@ -23,16 +23,22 @@ def test_too_late_once_tensorflow_is_initialised():
     assert not managed.managed_memory_enabled()
 
 
-def test_swap_needs_managed_memory_on_a_gpu(monkeypatch):
+@pytest.mark.parametrize("enabled", [False, True])
+def test_managed_memory_picks_the_swap_mode(monkeypatch, enabled):
+    monkeypatch.setitem(managed._state, "enabled", enabled)
     mechanism = keras_autovm.mechanisms.get()
     monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
-    assert "swap" not in mechanism.actions()
-    monkeypatch.setitem(managed._state, "enabled", True)
+    assert mechanism.managed is enabled
     assert "swap" in mechanism.actions()
+    # Explicit copies: named policies only, until measured on a GPU.
+    assert ("swap" in mechanism.auto_actions()) is enabled
+    assert mechanism.copy_link == ("managed_prefetch" if enabled else "pinned")
 
 
-def test_install_turns_xla_off_when_swapping_and_close_restores_it():
+@pytest.mark.parametrize("enabled", [False, True])
+def test_install_turns_xla_off_when_swapping_and_close_restores_it(monkeypatch, enabled):
     from keras_autovm.patches import Patches
+    monkeypatch.setitem(managed._state, "enabled", enabled)
     mechanism = keras_autovm.mechanisms.get()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse", jit_compile=True)
@@ -40,9 +46,28 @@ def test_install_turns_xla_off_when_swapping_and_close_restores_it():
     message = mechanism.install(model, None, patches)
     assert model.jit_compile is False
     assert "jit_compile=False" in message
+    assert ("page-moving" in message) is enabled
     assert mechanism.install(model, None, patches) is None
     patches.close()
     assert model.jit_compile is True
+
+
+@pytest.mark.parametrize("policy, off", [("sqrt_recompute", False), ("auto", False),
+                                         ("offload_all", True), ("sqrt_offload", True)])
+def test_xla_stays_on_for_policies_that_cannot_swap(policy, off):
+    from keras_autovm.budget import PlanBook
+    from keras_autovm.patches import Patches
+    from keras_autovm.runtime import Runtime
+    mechanism = keras_autovm.mechanisms.get()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", jit_compile=True)
+    plans = PlanBook(model, 2**30, 0.15, policy, None, mechanism)
+    patches = Patches()
+    mechanism.install(model, Runtime(mechanism, plans, {}), patches)
+    assert model.jit_compile is not off
+    # The explicit swap's own hook, only where it may swap.
+    assert ("train_step" in vars(model)) is off
+    patches.close()
 
 
 def test_jit_compile_is_restored_after_training():

@@ -1,8 +1,16 @@
 """TensorFlow: recompute through `keras.remat` (`tf.recompute_grad`) over plan
-segments; swap through the managed-memory ops of ops/: an evict after a
-swapped output's last forward reader, a prefetch issued from the backward
-pass of the op the plan picks (`ops.py`)."""
+segments. Swap in one of two modes:
 
+- **explicit** (the default): a host copy of each swapped layer output, and
+  the backward pass reading a copy brought back when the plan's prefetch
+  trigger is reached (`swap.py`);
+- **managed**, after `keras_autovm.enable_managed_memory()`: the page-moving
+  ops of ops/, an evict after a swapped output's last forward reader and a
+  prefetch issued from the backward pass of the op the plan picks
+  (`ops.py`).
+"""
+
+import functools
 import warnings
 
 import tensorflow as tf
@@ -10,37 +18,53 @@ import tensorflow as tf
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import managed
+from keras_autovm.mechanisms.tensorflow import swap
+from keras_autovm.planner import choose
 
 
 class TensorFlowMechanism(Mechanism):
-    """Keep, recompute, and swap by moving managed-memory pages."""
+    """Keep, recompute, and swap by explicit copies or managed memory."""
 
     backend = "tensorflow"
 
     def __init__(self):
         super().__init__()
-        self.stats = {"evicts_inserted": 0, "prefetches_inserted": 0}
+        self.managed = managed.managed_memory_enabled()
+        if self.managed:
+            self.stats = {"evicts_inserted": 0, "prefetches_inserted": 0}
+        else:
+            self.stats = dict.fromkeys(
+                ("host_copies", "marks", "copy_backs", "copy_backs_at_use",
+                 "copy_backs_ungated", "reads_rewired"), 0)
         # Swapped tensor -> [tensor, page moves still to insert for it].
         self._swapped = {}
         self._moves = {}  # AppliedPlan -> its `PageMoves`.
+        self._explicit = None  # The `swap.ExplicitSwap` of the step being traced.
+        self._own_recompute = False  # Set by `install`.
 
     def actions(self):
-        """Keep and recompute; swap where pages can move.
+        """Keep, recompute and swap.
 
-        Swapping needs the op library and, on a GPU, TensorFlow allocating
-        managed memory (`keras_autovm.enable_managed_memory`). Without a GPU
-        the ops are identities, so a swap plan runs (for tests and
-        demonstrations) and moves nothing.
+        Explicit swap needs nothing else. In managed mode swapping needs the
+        op library and, on a GPU, TensorFlow allocating managed memory
+        (`keras_autovm.enable_managed_memory`); without a GPU the ops are
+        identities, so a swap plan runs (for tests and demonstrations) and
+        moves nothing.
         """
-        if self.gpu_available() and not managed.managed_memory_enabled():
-            return ("keep", "recompute")
-        if _ops() is None:
+        if self.managed and _ops() is None:
             return ("keep", "recompute")
         return ("keep", "swap", "recompute")
 
+    def auto_actions(self):
+        """Explicit swap is left to named policies until its peak and step
+        time are measured against the plan on a GPU."""
+        if self.managed:
+            return self.actions()
+        return ("keep", "recompute")
+
     @property
     def copy_link(self):
-        return "managed_prefetch"
+        return "managed_prefetch" if self.managed else "pinned"
 
     def gpu_available(self):
         return bool(tf.config.list_physical_devices("GPU"))
@@ -67,8 +91,9 @@ class TensorFlowMechanism(Mechanism):
         return True
 
     def moved_bytes(self):
-        """Bytes the page-moving ops evicted and prefetched (process totals)."""
-        if "swap" not in self.actions():
+        """Bytes the page-moving ops evicted and prefetched (process totals);
+        `None` for explicit copies, which TensorFlow does not count."""
+        if not self.managed or "swap" not in self.actions():
             return None
         counters = _ops().stats()
         return {"evicted": counters["bytes_evicted"],
@@ -76,21 +101,76 @@ class TensorFlowMechanism(Mechanism):
                 "skipped_tensors": counters["tensors_skipped"]}
 
     def install(self, model, runtime, patches):
-        """XLA cannot compile the page-moving ops: turns `jit_compile` off."""
-        if "swap" in self.actions() and model.jit_compile:
+        """When the policy may swap: explicitly, the traced `train_step`
+        ends by pointing its backward at the copies back
+        (`swap.ExplicitSwap.rewire`), and segments recompute with
+        `swap.recompute`; in both modes `jit_compile` is turned off: XLA
+        cannot compile the page-moving ops, and it ignores the control
+        dependencies that time explicit copies back."""
+        may_swap = self._may_swap(runtime)
+        if may_swap and not self.managed:
+            patches.set(model, "train_step", self._rewire_after(model.train_step))
+            self._own_recompute = True
+        if model.jit_compile and may_swap:
             patches.set(model, "jit_compile", False)
-            return ("AutoVM set jit_compile=False: XLA cannot compile its "
-                    "TensorFlow page-moving ops.")
+            what = ("its TensorFlow page-moving ops" if self.managed else
+                    "the control dependencies that time its host-to-device copies")
+            return f"AutoVM set jit_compile=False: XLA cannot compile {what}."
         return None
 
-    def after_layer(self, name, outputs, applied):
-        """Evicts swapped inputs after their last forward reader and arms the
-        backward prefetches this layer triggers.
+    def _may_swap(self, runtime):
+        """Whether the policy of `runtime` (or any, without one) may swap."""
+        if "swap" not in self.actions():
+            return False
+        if runtime is None:
+            return True
+        policy = runtime.plans.policy
+        allowed = self.auto_actions() if policy == "auto" else choose.REQUIRES[policy]
+        return "swap" in allowed
 
-        Both ops pass `outputs` through, so everything downstream depends on
+    # --------------------------------------------------------- explicit swap
+
+    def recompute(self, fn):
+        """`keras.remat(fn)`; under a policy that may swap explicitly,
+        `swap.recompute(fn)`, which leaves the step's numbers unchanged."""
+        return swap.recompute(fn) if self._own_recompute else super().recompute(fn)
+
+    def _explicit_for(self, applied):
+        """The `ExplicitSwap` of the step being traced, or `None`."""
+        if self.managed or applied is None or not applied.names("swap") \
+                or tf.executing_eagerly():
+            return None
+        current = self._explicit
+        if current is None or current.applied is not applied \
+                or current.graph is not swap.current_graph():
+            self._explicit = swap.ExplicitSwap(applied, self.stats)
+        return self._explicit
+
+    def _rewire_after(self, train_step):
+        """`train_step`, then the traced step's backward reads copies back."""
+        @functools.wraps(train_step)
+        def step(*args):
+            result = train_step(*args)
+            explicit = self._explicit
+            if explicit is not None and explicit.graph is swap.current_graph():
+                explicit.rewire()
+            return result
+
+        return step
+
+    def after_layer(self, name, outputs, applied):
+        """Explicit swap: copies swapped outputs to the host and marks where
+        the backward pass starts their copies back (`ExplicitSwap`).
+
+        Managed memory: evicts swapped inputs after their last forward
+        reader and arms the backward prefetches this layer triggers. Both
+        ops pass `outputs` through, so everything downstream depends on
         them: an evict runs after the read it follows, and a prefetch fires
         when the backward pass reaches this layer's output gradient.
         """
+        if not self.managed:
+            explicit = self._explicit_for(applied)
+            return outputs if explicit is None else explicit.after_layer(name, outputs)
         if applied is None or not applied.names("swap"):
             return outputs
         if applied not in self._moves:
