@@ -52,8 +52,8 @@ class Mechanism:
 
     def swap_cost(self, cost):
         """`cost` (a `planner.CostModel`) with how this backend's swaps
-        behave: its bound on copies in flight, whether swapped tensors'
-        readers are recomputed. The default changes nothing."""
+        behave (its bound on copies in flight). The default changes
+        nothing."""
         return cost
 
     @property

@@ -19,13 +19,10 @@ class CostModel:
     multiplied by `time_scale`, which is how a measured step time calibrates
     the model (see `scaled`). Copies take `nbytes / bandwidth`.
 
-    Two more fields say how the backend's swaps behave:
-    `max_in_flight_bytes` bounds the bytes of device-to-host copies that may
-    be outstanding: before a forward op starts, compute waits until the
-    copies issued so far are within it (`None`: no bound). And with
-    `swap_recomputes_readers`, each op whose backward reads a swapped tensor
-    re-runs its forward first (TensorFlow's explicit swap recomputes the
-    layer from the copied-back input).
+    `max_in_flight_bytes` says how the backend's swaps behave: it bounds the
+    bytes of device-to-host copies that may be outstanding; before a forward
+    op starts, compute waits until the copies issued so far are within it
+    (`None`: no bound).
 
     Args:
         flops_per_s: effective arithmetic throughput. Defaults to `40e12`
@@ -43,8 +40,6 @@ class CostModel:
             `1.0`.
         max_in_flight_bytes: bound on outstanding device-to-host copy
             bytes, or `None`. Defaults to `None`.
-        swap_recomputes_readers: whether backward readers of a swapped
-            tensor re-run their forward. Defaults to `False`.
     """
 
     flops_per_s: float = 40e12
@@ -55,7 +50,6 @@ class CostModel:
     op_overhead_s: float = 5e-6
     time_scale: float = 1.0
     max_in_flight_bytes: float = None
-    swap_recomputes_readers: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "mem_bytes_per_s", "d2h_bytes_per_s",

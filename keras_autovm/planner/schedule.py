@@ -111,11 +111,8 @@ Schedule = collections.namedtuple(
 )
 
 
-def schedule(ix, actions, readers_recompute=False):
+def schedule(ix, actions):
     """Orders the compute stream and records backward uses.
-
-    With `readers_recompute`, an op whose backward reads a swapped tensor
-    re-runs its forward (reading all its inputs) right before its backward.
 
     Returns a `Schedule`: `items` is a list of (phase, op index); `group[p]`
     the op whose backward item `p` belongs to (None in forward);
@@ -170,13 +167,6 @@ def schedule(ix, actions, readers_recompute=False):
         group_start[i] = len(items)
         for t in ix.bwd_inputs[i]:
             ensure(t, i)
-        if readers_recompute and any(actions.get(t) == "swap" for t in ix.bwd_inputs[i]):
-            for t in ix.inputs[i]:
-                ensure(t, i)
-            items.append(("recompute", i))
-            group.append(i)
-            for t in ix.inputs[i]:
-                use(t, len(items) - 1)
         bwd_pos[i] = len(items)
         items.append(("bwd", i))
         group.append(i)

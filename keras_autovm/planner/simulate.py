@@ -105,7 +105,7 @@ def simulate(graph, actions=None, prefetch=None, cost=None):
     cost = cost or CostModel()
     ix = index(graph)
     check_actions(ix, actions)
-    sched = schedule(ix, actions, cost.swap_recomputes_readers)
+    sched = schedule(ix, actions)
     triggers = _triggers(ix, sched, actions, prefetch or {})
     streams = _run(ix, graph, sched, actions, triggers, cost)
     events = _memory_events(ix, graph, sched, streams, actions)

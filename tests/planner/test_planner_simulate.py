@@ -291,17 +291,3 @@ def test_in_flight_bound_makes_the_forward_wait_for_copies_out():
     assert held.step_time > free.step_time
     with pytest.raises(ValueError, match="max_in_flight_bytes"):
         CostModel(max_in_flight_bytes=0)
-
-
-def test_readers_recompute_when_the_swap_needs_it():
-    g = chain([100, 100, 1])
-    actions = {"t0": "swap"}
-    plain = simulate(g, actions, cost=SLOW_LINK)
-    redo = simulate(g, actions, cost=dataclasses.replace(
-        SLOW_LINK, swap_recomputes_readers=True))
-    assert plain.recompute_time == 0
-    # o1 reads t0 in backward: its forward (1 s) runs again first.
-    assert redo.recompute_time == 1.0
-    assert [(e.op, e.phase) for e in redo.op_events][4:6] == [
-        ("o1", "recompute"), ("o1", "bwd")]
-    assert redo.step_time == pytest.approx(plain.step_time + 1.0)
