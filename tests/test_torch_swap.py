@@ -118,3 +118,19 @@ def test_profile_leaves_no_graph_behind():
     alive = [o for o in gc.get_objects()
              if type(o) in (torch.Tensor, torch.nn.Parameter) and o.grad_fn is not None]
     assert not alive, [tuple(t.shape) for t in alive[:5]]
+
+
+def test_profile_leaves_the_global_generator_alone():
+    import torch
+    from keras_autovm.mechanisms.torch import profile
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dropout(0.5)(
+        keras.layers.Dense(16, name="d")(inputs)))
+    model = keras.Model(inputs, outputs)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    profile.measure(model)
+    # A draw from torch's generator during measuring would shift the
+    # numbers that training (dropout, shuffling) draws afterwards.
+    assert torch.equal(torch.rand(4), expected)

@@ -135,7 +135,11 @@ def _run(model, batch_size):
         return outputs
 
     state = [(v, v.value) for v in model.non_trainable_variables]
-    with keras.StatelessScope(state_mapping=state), torch.enable_grad():
+    # fork_rng: a layer drawing from torch's global generator (dropout
+    # without a seed) must not shift the numbers training draws afterwards.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), \
+            keras.StatelessScope(state_mapping=state), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             outputs = internals.run_calls(model, inputs, around)
         packed.clear()
