@@ -17,6 +17,9 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   largest batch, which is then run (and stepped down 10% at a time while it
   runs out of memory, up while it trains); so is in-core's, from the
   keep-all plan; RematScope is searched by bisection above in-core's.
+  With `SWAP_IN_AUTO=1` in the environment, `autovm_swap`'s `auto` may
+  swap on a backend whose `auto` does not swap yet (TensorFlow's explicit
+  swap), to measure what it would do.
 - throughput: each method at the largest batch all of them train, under the
   cap, against in-core without a cap, as ratios.
 
@@ -40,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 GiB = 2**30
 METHODS = ("incore", "remat", "autovm_recompute", "autovm_swap")
+SWAP_IN_AUTO = os.environ.get("SWAP_IN_AUTO") == "1"  # See auto_choosing.
 AUTOVM_KWARGS = {}  # The CPU smoke test passes apply_without_gpu=True.
 
 
@@ -88,18 +92,24 @@ def build(name, remat=False):
 
 
 @contextlib.contextmanager
-def without_swap(active):
-    """Makes AutoVM's `auto` choose among keep and recompute only."""
+def auto_choosing(method):
+    """Makes AutoVM's `auto` choose among keep and recompute only for
+    `autovm_recompute`, and among every action the mechanism can carry out
+    for `autovm_swap` when SWAP_IN_AUTO is set (a backend whose `auto` does
+    not swap yet, to measure what it would do)."""
     import keras_autovm
     get = keras_autovm.mechanisms.get
 
     def restricted():
         mechanism = get()
-        actions = tuple(a for a in mechanism.auto_actions() if a != "swap")
+        if method == "autovm_recompute":
+            actions = tuple(a for a in mechanism.auto_actions() if a != "swap")
+        else:
+            actions = tuple(mechanism.actions())
         mechanism.auto_actions = lambda: actions
         return mechanism
 
-    if active:
+    if method == "autovm_recompute" or (method == "autovm_swap" and SWAP_IN_AUTO):
         keras_autovm.mechanisms.get = restricted
     try:
         yield
@@ -125,7 +135,7 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
         y = rng.integers(0, 1000, batch * steps)
-        with without_swap(method == "autovm_recompute"):
+        with auto_choosing(method):
             model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
                       callbacks=callbacks, verbose=0)
         times = callbacks[-1].times[1:] or callbacks[-1].times
@@ -222,7 +232,7 @@ def predicted_largest(model_name, method, cap_bytes, hi=2048):
     """The largest batch AutoVM's planner says fits the cap."""
     import keras_autovm
     model = build(model_name)
-    with without_swap(method == "autovm_recompute"):
+    with auto_choosing(method):
         mechanism = keras_autovm.mechanisms.get()
     policy = "keep_all" if method == "incore" else "auto"
 
