@@ -18,11 +18,14 @@ from .graph import ACTIONS
 from .policies import _finish
 from .schedule import first_backward_use
 from .simulate import simulate
+from .units import halves
 from .units import recompute_units
 from .units import swap_units
 
 # Greedy rounds (one simulation each) before giving up on the budget.
 MAX_ROUNDS = 400
+# Greedy rounds in a row that may fail to lower the peak.
+MAX_STALE = 12
 # Simulations the local search may spend after the budget is met.
 MAX_TRIES = 80
 # A copy back starts when the backward still to run before its first use
@@ -146,11 +149,17 @@ class _Search:
 
     def greedy(self):
         """Acts on what is live at the peak until the budget is met."""
+        stale = 0
         for _ in range(MAX_ROUNDS):
             r = self.current
             if r.peak_bytes <= self.budget or not self._relieve(r):
                 return
+            lowest = self.best[2].peak_bytes
             self.current = self.evaluate()
+            # Rounds that no longer lower the peak are not worth more.
+            stale = 0 if self.current.peak_bytes < lowest else stale + 1
+            if stale >= MAX_STALE:
+                return
 
     def frugal(self):
         """Tries the most frugal choices: every recompute unit, then every
@@ -190,6 +199,8 @@ class _Search:
                         if actions.get(t, "keep") in acted)
             if freed:
                 options.append((self._estimate(u) / freed, k, freed))
+        if not options:
+            return self._split(live, actions)
         options.sort()
         excess = r.peak_bytes - self.budget
         for _, k, freed in options:
@@ -198,6 +209,25 @@ class _Search:
             if excess <= 0:
                 break
         return bool(options)
+
+    def _split(self, live, actions):
+        """Halves the chosen recompute units whose replays are live at the
+        peak: their middle outputs are kept, each half replays alone."""
+        held = {}
+        for t, n in live.items():
+            k = self.redo_of.get(t)
+            if actions.get(t) == "recompute" and len(self.units[k].segment) > 3:
+                held[k] = held.get(k, 0) + n
+        if not held:
+            return False
+        for k in held:
+            self.chosen.discard(k)
+            for piece in halves(self.graph, self.cost, self.units[k]):
+                self.units.append(piece)
+                for t in piece.tensors:
+                    self.redo_of[t] = len(self.units) - 1
+                self._choose(len(self.units) - 1)
+        return True
 
     def _estimate(self, unit):
         if unit.kind == "recompute":

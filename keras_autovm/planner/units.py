@@ -90,29 +90,44 @@ def recompute_units(graph, cost):
         List of `Unit`s of kind `"recompute"` that free some bytes.
     """
     size = max(2, round(math.sqrt(len(graph.ops))))
-    ops = {op.name: op for op in graph.ops}
-    made = {op.name: [] for op in graph.ops}
-    for t in graph.tensors:
-        if t.can_recompute and t.nbytes:
-            made[t.producer].append(t)
     units = []
     for chain in dataflow_chains(graph):
         count = math.ceil(len(chain) / size)
         for j in range(count):
             piece = tuple(chain[j * len(chain) // count:
                                 (j + 1) * len(chain) // count])
-            if len(piece) < 2:
-                continue
-            inner = [t for name in piece for t in made[name]
-                     if name != piece[-1] or t.internal]
-            if not inner:
-                continue
-            redone = {t.producer for t in inner}
-            units.append(Unit(
-                "recompute", tuple(t.name for t in inner),
-                sum(t.nbytes for t in inner), piece,
-                sum(cost.fwd_time(ops[name]) for name in redone)))
+            unit = _piece_unit(graph, cost, piece)
+            if unit is not None:
+                units.append(unit)
     return units
+
+
+def halves(graph, cost, unit):
+    """A recompute unit cut in two at its middle op (whose output is kept).
+
+    Returns:
+        List of the halves that still free bytes.
+    """
+    piece, mid = unit.segment, len(unit.segment) // 2
+    halves = (_piece_unit(graph, cost, piece[:mid]),
+              _piece_unit(graph, cost, piece[mid:]))
+    return [h for h in halves if h is not None]
+
+
+def _piece_unit(graph, cost, piece):
+    """The recompute unit replaying `piece`, or `None` if it frees nothing."""
+    if len(piece) < 2:
+        return None
+    members = set(piece)
+    inner = [t for t in graph.tensors if t.producer in members and t.nbytes
+             and t.can_recompute and (t.producer != piece[-1] or t.internal)]
+    if not inner:
+        return None
+    ops = {op.name: op for op in graph.ops if op.name in members}
+    redone = {t.producer for t in inner}
+    return Unit("recompute", tuple(t.name for t in inner),
+                sum(t.nbytes for t in inner), piece,
+                sum(cost.fwd_time(ops[name]) for name in redone))
 
 
 def swap_units(graph, cost, base):
