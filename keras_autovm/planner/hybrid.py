@@ -122,7 +122,7 @@ class _Search:
                 k = ahead.setdefault(t, self._initial_ahead(t, first[t]))
                 prefetch[t] = self.graph.ops[min(first[t] + k, last)].name
         result = simulate(self.graph, actions, prefetch, self.cost)
-        if self.best is None or self._better(result, self.best[2]):
+        if self.best is None or self._better(result, len(actions)):
             self.best = (actions, prefetch, result)
             self.best_chosen = set(chosen)
         return result
@@ -136,12 +136,15 @@ class _Search:
             k += 1
         return k
 
-    def _better(self, a, b):
+    def _better(self, a, changed):
+        """Whether result `a` of `changed` actions beats the best so far:
+        fitting first, then faster, then fewer actions; else a lower peak."""
+        b = self.best[2]
         fits_a, fits_b = a.peak_bytes <= self.budget, b.peak_bytes <= self.budget
         if fits_a != fits_b:
             return fits_a
         if fits_a:
-            return a.step_time < b.step_time
+            return (a.step_time, changed) < (b.step_time, len(self.best[0]))
         return a.peak_bytes < b.peak_bytes
 
     def best_fits(self):

@@ -147,3 +147,21 @@ def test_bounded_copies_in_flight_are_respected():
 def test_no_budget_keeps_everything():
     plan = make_plan(branched(), None, "hybrid")
     assert plan.counts()["keep"] == len(plan.actions)
+
+
+def test_hybrid_on_500_branched_ops_is_fast_enough():
+    import time
+
+    g = branched(cells=20, branches=4, depth=6, base=2**16)
+    assert len(g.ops) == 501
+    budget = int(keep_peak(g) * 0.4)
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        plan = make_plan(g, budget)
+        rounds.append(time.perf_counter() - start)
+    # About 0.3 s here; the bound allows for a loaded 2-core CI machine.
+    assert min(rounds) < 6.0
+    assert plan.fits
+    hybrid = make_plan(g, budget, "hybrid")
+    assert hybrid.result.step_time <= plan.result.step_time * 1.001
