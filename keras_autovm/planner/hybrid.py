@@ -55,12 +55,14 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
     base = simulate(graph, {}, None, cost)
     if budget is None or base.peak_bytes <= budget:
         return _finish(graph, cost, budget, "hybrid", {})
-    search = _Search(graph, cost, budget, allowed, base)
-    search.greedy()
-    if not search.best_fits():
-        search.frugal()
-    if search.best_fits():
-        search.improve()
+    search = _search(graph, cost, budget, allowed, base)
+    if not search.best_fits() and {"swap", "recompute"} <= set(allowed):
+        # Swaps whose copies lag free nothing in time; without them the
+        # greedy may split recompute units further.
+        alone = _search(graph, cost, budget, ("keep", "recompute"), base)
+        if alone.best_fits() or \
+                alone.best[2].peak_bytes < search.best[2].peak_bytes:
+            search = alone
     actions, prefetch, _ = search.best
     segments = sorted((u.segment for u in search.units_of(search.best_chosen)
                        if u.kind == "recompute"),
@@ -68,6 +70,16 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
     return _finish(graph, cost, budget, "hybrid", actions, prefetch,
                    segments=segments,
                    uses=tuple(a for a in ("swap", "recompute") if a in allowed))
+
+
+def _search(graph, cost, budget, allowed, base):
+    search = _Search(graph, cost, budget, allowed, base)
+    search.greedy()
+    if not search.best_fits():
+        search.frugal()
+    if search.best_fits():
+        search.improve()
+    return search
 
 
 class _Search:

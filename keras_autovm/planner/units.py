@@ -90,8 +90,23 @@ def recompute_units(graph, cost):
         List of `Unit`s of kind `"recompute"` that free some bytes.
     """
     size = max(2, round(math.sqrt(len(graph.ops))))
+    # Replaying an op keeps its inputs until the replay: a head reading a
+    # tensor that the backward would not need (an add's or a
+    # concatenation's operands) would hold more than the piece frees.
+    # Such a head starts the piece only if it frees more than it holds.
+    held = {op.name: 0 for op in graph.ops}
+    made = {op.name: 0 for op in graph.ops}
+    for t in graph.tensors:
+        made[t.producer] += t.nbytes
+        if not t.bwd_readers:
+            for reader in set(t.fwd_readers):
+                held[reader] += t.nbytes
     units = []
     for chain in dataflow_chains(graph):
+        if held[chain[0]] > made[chain[0]]:
+            chain = chain[1:]
+        if not chain:
+            continue
         count = math.ceil(len(chain) / size)
         for j in range(count):
             piece = tuple(chain[j * len(chain) // count:
