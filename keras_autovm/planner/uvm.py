@@ -27,6 +27,8 @@ import collections
 import dataclasses
 
 PAGE = 2 * 2**20
+# Prefetch distances (layers ahead) `hinted_plan` tries.
+AHEAD = (1, 2, 3, 4, 6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +199,20 @@ def simulate_uvm(layers, capacity, link, evict=(), ahead=2):
             d2h_free = max(now, d2h_free) + layers[i - 1].output_bytes / link.prefetch_d2h
             dev.leaving[("a", i - 1)] = d2h_free
             result.hint_bytes += layers[i - 1].output_bytes
+    waiting = []  # Hinted outputs due for prefetch, soonest needed first.
     for i in reversed(range(n)):
-        for m in sorted(evict):
-            # a[m] is first read by the backward of layer m + 1.
-            if min(m + 1 + ahead, n - 1) == i:
-                h2d_free = _prefetch(dev, layers, m, now, h2d_free, ready, result)
+        # a[m] is first read by the backward of layer m + 1; its prefetch is
+        # due `ahead` layers before, and starts once the room is free (or
+        # when it is needed, evicting as the driver would).
+        waiting += sorted((m for m in evict if min(m + 1 + ahead, n - 1) == i),
+                          reverse=True)
+        while waiting:
+            m, size = waiting[0], dev.sizes[("a", waiting[0])]
+            dev.retire(now)
+            if min(m + 1, n - 1) < i and len(dev.pages) + size > dev.capacity:
+                break
+            h2d_free = _prefetch(dev, layers, waiting.pop(0), now, h2d_free,
+                                 ready, result)
         reads = [("a", i)] + ([("a", i - 1)] if i else [])
         reads += [("g", i)] if i < n - 1 else []
         new = [(("g", i - 1), layers[i - 1].output_bytes)] if i else []
@@ -228,20 +239,22 @@ def _prefetch(dev, layers, m, now, h2d_free, ready, result):
     return ready[buf]
 
 
-def hinted_plan(layers, capacity, link, ahead=2):
-    """AutoVM's choice of outputs to evict: the first m, for the m whose
-    simulated step is fastest (none if everything fits).
+def hinted_plan(layers, capacity, link, ahead=None):
+    """AutoVM's hints: evict the first m outputs, prefetch k layers ahead,
+    for the m and k (in `AHEAD`, or `ahead` if given) whose simulated step
+    is fastest; m = 0 (no hints) is among them.
 
     Returns:
-        `(set of layer indices, UvmResult)`.
+        `(set of layer indices, k, UvmResult)`.
     """
     best = None
-    for m in range(len(layers)):
-        result = simulate_uvm(layers, capacity, link, evict=range(m), ahead=ahead)
-        if best is None or result.step_time < best[1].step_time:
-            best = (set(range(m)), result)
-        if not result.fault_bytes and not result.evicted_bytes:
-            break  # Evicting more would only add copies.
+    for k in ([ahead] if ahead else AHEAD):
+        for m in range(len(layers)):
+            result = simulate_uvm(layers, capacity, link, evict=range(m), ahead=k)
+            if best is None or result.step_time < best[2].step_time:
+                best = (set(range(m)), k, result)
+            if not result.fault_bytes and not result.evicted_bytes:
+                break  # Evicting more would only add copies.
     return best
 
 
@@ -251,12 +264,12 @@ def footprint(layers):
     return simulate_uvm(layers, 2**62, unbounded).peak_bytes
 
 
-def speedup(layers, capacity, link, ahead=2):
+def speedup(layers, capacity, link, ahead=None):
     """Default UVM step time over AutoVM's, with both results.
 
     Returns:
         `(speedup, default UvmResult, hinted UvmResult)`.
     """
     default = simulate_uvm(layers, capacity, link)
-    _, hinted = hinted_plan(layers, capacity, link, ahead)
+    _, _, hinted = hinted_plan(layers, capacity, link, ahead)
     return default.step_time / hinted.step_time, default, hinted

@@ -67,3 +67,28 @@ def test_lru_evicts_the_least_recently_used():
 def test_bad_capacity():
     with pytest.raises(ValueError, match="capacity"):
         simulate_uvm(vgg_like(), 0, LINK)
+
+
+def test_recipe_reads_a_calibration_file(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    calibration = {
+        "device": "test", "backend": "none", "batch_size": 8,
+        "layers": [{"name": l.name, "fwd_s": l.fwd_s, "bwd_s": l.bwd_s,
+                    "output_bytes": l.output_bytes} for l in vgg_like()],
+        "link": {"managed_fault_h2d": 6.6, "managed_prefetch_h2d": 48.4,
+                 "managed_prefetch_d2h": 9.9, "managed_first_eviction": 11.5}}
+    path, out = tmp_path / "cal.json", tmp_path / "out.json"
+    path.write_text(json.dumps(calibration))
+    subprocess.run([sys.executable, os.path.join(root, "recipes", "uvm_sim.py"),
+                    "--calibration", str(path), "--out", str(out)],
+                   check=True, cwd=root, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["SIMULATED"] is True and result["uncalibrated"] is False
+    assert [r["oversubscription"] for r in result["results"]] == [1.25, 1.5, 2.0, 3.0]
+    assert all(r["speedup"] > 1.0 for r in result["results"])
+    assert result["link_gbps"]["fault"] == 6.6
