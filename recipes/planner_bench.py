@@ -11,13 +11,14 @@ the machine it ran on.
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from planner_common import write_json  # noqa: E402
 
 MODELS = {"ResNet152": 256, "DenseNet121": 64, "VGG19": 128}
 POLICIES = ("auto", "hybrid")
@@ -106,11 +107,7 @@ def main():
     for name in args.models.split(","):
         out["models"].append(bench_model(name, args.batch or MODELS.get(name, 64),
                                          args.repeats))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", args.out)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

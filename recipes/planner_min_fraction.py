@@ -12,12 +12,14 @@ every action. Planner predictions only, no GPU.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from planner_common import application_graph  # noqa: E402
+from planner_common import write_json  # noqa: E402
 
 MODELS = ("DenseNet121", "InceptionV3", "NASNetMobile", "EfficientNetB0", "ResNet50")
 BEFORE = ("keep_all", "greedy_offload", "sqrt_recompute", "offload_all", "sqrt_offload")
@@ -40,15 +42,10 @@ def lowest(graph, cost, names, allowed):
 def measure(name, batch):
     import keras
 
-    from keras_autovm import budget as budget_lib
-    from keras_autovm import mechanisms
     from keras_autovm import planner
     from keras_autovm.planner.choose import CANDIDATES
 
-    mechanism = mechanisms.get()
-    kwargs = {"input_shape": (224, 224, 3)} if name.startswith("NASNet") else {}
-    model = getattr(keras.applications, name)(weights=None, **kwargs)
-    graph = budget_lib.graph_for(model, batch, mechanism)
+    graph, mechanism = application_graph(name, batch)
     cost = mechanism.swap_cost(planner.CostModel())
     keep = planner.simulate(graph, {}, None, cost).peak_bytes
     row = {"model": name, "batch_size": batch, "ops": len(graph.ops),
@@ -84,11 +81,7 @@ def main():
            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "models": [measure(m, args.batch) for m in args.models.split(",")]}
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", args.out)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from keras_autovm.planner import uvm  # noqa: E402
+from planner_common import application_graph  # noqa: E402
+from planner_common import write_json  # noqa: E402
 
 LINK_KEYS = {"fault": "managed_fault_h2d", "prefetch_h2d": "managed_prefetch_h2d",
              "prefetch_d2h": "managed_prefetch_d2h", "evict": "managed_first_eviction"}
@@ -53,14 +55,9 @@ def read_link(calibration, link_path):
 
 def roofline_layers(batch):
     """VGG-19's layers with the planner's roofline times (uncalibrated)."""
-    import keras
-
-    from keras_autovm import budget as budget_lib
-    from keras_autovm import mechanisms
     from keras_autovm import planner
 
-    graph = budget_lib.graph_for(keras.applications.VGG19(weights=None), batch,
-                                 mechanisms.get())
+    graph, _ = application_graph("VGG19", batch)
     cost = planner.CostModel()
     made = {op.name: 0 for op in graph.ops}
     for t in graph.tensors:
@@ -124,11 +121,7 @@ def main():
            "compute_s": sum(l.fwd_s + l.bwd_s for l in layers),
            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
            "command": " ".join(["python"] + sys.argv), "results": rows}
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", args.out)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Small hand-built graphs for the planner tests."""
 
+import time
+
 from keras_autovm.planner import Graph
 from keras_autovm.planner import OpSpec
 from keras_autovm.planner import TensorSpec
@@ -92,3 +94,13 @@ def branched(cells=6, branches=3, depth=4, base=2**20):
         for name, nbytes in tensors.items())
     return Graph(tuple(ops), specs, persistent_bytes=4 * base,
                  outputs=(prev,))
+
+
+def best_time(fn, repeats=3):
+    """(least seconds of `repeats` calls of `fn`, its last result)."""
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        rounds.append(time.perf_counter() - start)
+    return min(rounds), result
