@@ -9,6 +9,7 @@ from .graph import ACTIONS
 from .graph import Graph
 from .plan import PlanError
 from .plan import format_bytes
+from .hybrid import hybrid
 from .policies import greedy_offload
 from .policies import keep_all
 from .policies import offload_all
@@ -35,7 +36,7 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     if budget is None:
         return keep_all(graph, cost, budget)
     names = [n for n in CANDIDATES if set(REQUIRES[n]) <= set(allowed)]
-    plans = [POLICIES[n](graph, cost, budget) for n in names]
+    plans = [_run(n, graph, cost, budget, allowed) for n in names]
     fitting = [p for p in plans if p.fits]
     if not fitting:
         lowest = min(plans, key=lambda p: p.result.peak_bytes)
@@ -60,7 +61,11 @@ POLICIES = {
     "greedy_offload": greedy_offload,
     "sqrt_recompute": sqrt_recompute,
     "sqrt_offload": sqrt_offload,
+    "hybrid": hybrid,
 }
+
+# Policies that adapt to the actions the backend allows (`allowed`).
+ADAPTIVE = ("hybrid",)
 
 # The actions besides "keep" that each policy needs.
 REQUIRES = {
@@ -70,11 +75,12 @@ REQUIRES = {
     "greedy_offload": ("swap",),
     "sqrt_recompute": ("recompute",),
     "sqrt_offload": ("swap", "recompute"),
+    "hybrid": (),
 }
 
 # What `auto` compares, cheapest-looking first (the order breaks ties).
-CANDIDATES = ("keep_all", "greedy_offload", "sqrt_recompute", "offload_all",
-              "sqrt_offload")
+CANDIDATES = ("keep_all", "hybrid", "greedy_offload", "sqrt_recompute",
+              "offload_all", "sqrt_offload")
 
 
 def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
@@ -107,7 +113,7 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
         )
     if policy == "auto":
         return auto(graph, cost, budget, allowed)
-    plan = POLICIES[policy](graph, cost, budget)
+    plan = _run(policy, graph, cost, budget, allowed)
     if not plan.fits:
         raise PlanError(
             f"Policy {policy!r} cannot fit the budget of "
@@ -116,6 +122,13 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
             plan.result.peak_bytes,
         )
     return plan
+
+
+def _run(name, graph, cost, budget, allowed):
+    """Runs one policy; adaptive ones get the allowed actions."""
+    if name in ADAPTIVE:
+        return POLICIES[name](graph, cost, budget, allowed)
+    return POLICIES[name](graph, cost, budget)
 
 
 def _changed(plan):

@@ -79,6 +79,8 @@ class Index:
             for i in self.bwd[t.name]:
                 self.bwd_inputs[i].append(t.name)
         self._add_declared_inputs(graph)
+        self.schedules = {}  # See `schedule`.
+        self.times = {}  # See `times`.
 
     def _add_declared_inputs(self, graph):
         # OpSpec.inputs should agree with fwd_readers; take the union so a
@@ -112,6 +114,32 @@ Schedule = collections.namedtuple(
 
 
 def schedule(ix, actions):
+    """`_schedule`, remembered for the last few action sets of a graph.
+
+    Policies ask for the same actions twice in a row (where to prefetch,
+    then the simulation); the result is never changed by its users.
+    """
+    key = frozenset((t, a) for t, a in actions.items() if a != "keep")
+    hit = ix.schedules.get(key)
+    if hit is None:
+        if len(ix.schedules) >= 4:
+            ix.schedules.pop(next(iter(ix.schedules)))
+        hit = ix.schedules[key] = _schedule(ix, actions)
+    return hit
+
+
+def times(ix, graph, cost):
+    """Forward and backward time of every op under `cost`, remembered."""
+    hit = ix.times.get(cost)
+    if hit is None:
+        if len(ix.times) >= 4:
+            ix.times.clear()
+        hit = ix.times[cost] = ([cost.fwd_time(op) for op in graph.ops],
+                                [cost.bwd_time(op) for op in graph.ops])
+    return hit
+
+
+def _schedule(ix, actions):
     """Orders the compute stream and records backward uses.
 
     Returns a `Schedule`: `items` is a list of (phase, op index); `group[p]`

@@ -36,6 +36,7 @@ from .cost import CostModel
 from .schedule import check_actions
 from .schedule import index
 from .schedule import schedule
+from .schedule import times
 
 OpEvent = collections.namedtuple("OpEvent", ["op", "phase", "start", "end"])
 OpEvent.__doc__ = "One compute-stream item: `phase` is fwd, bwd or recompute."
@@ -141,8 +142,7 @@ _Streams = collections.namedtuple(
 
 def _run(ix, graph, sched, actions, issue, cost):
     """Times every compute item and copy; returns a `_Streams`."""
-    fwd_t = [cost.fwd_time(op) for op in graph.ops]
-    bwd_t = [cost.bwd_time(op) for op in graph.ops]
+    fwd_t, bwd_t = times(ix, graph, cost)
     issue_at, gate = {}, {}
     # Copies issued together go in the order compute will need them.
     order = sorted(issue, key=lambda n: (issue[n], sched.uses[n][0]))

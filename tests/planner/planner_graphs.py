@@ -1,5 +1,7 @@
 """Small hand-built graphs for the planner tests."""
 
+import time
+
 from keras_autovm.planner import Graph
 from keras_autovm.planner import OpSpec
 from keras_autovm.planner import TensorSpec
@@ -52,3 +54,53 @@ def memory_at(result, time):
             break
         used = b
     return used
+
+
+def branched(cells=6, branches=3, depth=4, base=2**20):
+    """Multi-branch cells, as Inception or NASNet build them.
+
+    Each cell reads the previous cell's output with `branches` chains of
+    `depth` conv-like ops (backward reads the input), run interleaved in
+    forward order (branch 0's op 1, branch 1's op 1, ...), and concatenates
+    the branch ends (backward reads nothing). Returns a `Graph` whose
+    model output is the last concatenation.
+    """
+    ops, tensors, readers = [], {}, {}
+
+    def add(name, inputs, nbytes, flops, bwd_reads_input=True):
+        ops.append(OpSpec(name, tuple(inputs), (name,), flops=flops,
+                          mem_bytes=3 * nbytes))
+        tensors[name] = nbytes
+        for x in inputs:
+            fwd, bwd = readers.setdefault(x, ([], []))
+            fwd.append(name)
+            if bwd_reads_input:
+                bwd.append(name)
+
+    add("stem", (), 4 * base, 1e9)
+    prev = "stem"
+    for c in range(cells):
+        ends = []
+        for d in range(depth):
+            for b in range(branches):
+                src = prev if d == 0 else f"c{c}b{b}d{d - 1}"
+                add(f"c{c}b{b}d{d}", (src,), 2 * base, 2e9)
+        ends = [f"c{c}b{b}d{depth - 1}" for b in range(branches)]
+        add(f"cat{c}", ends, 2 * base * branches, 0.0, bwd_reads_input=False)
+        prev = f"cat{c}"
+    specs = tuple(
+        TensorSpec(name, nbytes, name, tuple(readers.get(name, ([], []))[0]),
+                   tuple(readers.get(name, ([], []))[1]))
+        for name, nbytes in tensors.items())
+    return Graph(tuple(ops), specs, persistent_bytes=4 * base,
+                 outputs=(prev,))
+
+
+def best_time(fn, repeats=3):
+    """(least seconds of `repeats` calls of `fn`, its last result)."""
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        rounds.append(time.perf_counter() - start)
+    return min(rounds), result

@@ -1,0 +1,318 @@
+"""The hybrid policy: keep, swap and recompute chosen from the timeline.
+
+In the spirit of PoocH (a hybrid of swapping and recomputing): start from
+keeping everything and, while the simulated peak is over the budget, act
+on what is live at the peak, cheapest per byte first. A swap costs the
+part of its round trip that compute cannot hide (its idle window in the
+keep-all timeline, and the link time already taken by other swaps); a
+recompute unit costs its ops' forward times. Swapped tensors come back as
+early as the timeline needs to hide the copy, later where that early copy
+is what breaks the budget. Then a local search undoes actions, moves
+prefetches earlier and trades swap for recompute wherever the simulated
+step gets faster within the budget.
+
+Pure standard-library Python, no framework imports.
+"""
+
+from .graph import ACTIONS
+from .policies import _finish
+from .schedule import first_backward_use
+from .simulate import simulate
+from .units import halves
+from .units import recompute_units
+from .units import swap_units
+
+# Greedy rounds (one simulation each) before giving up on the budget.
+MAX_ROUNDS = 400
+# Greedy rounds in a row that may fail to lower the peak.
+MAX_STALE = 12
+# Simulations the local search may spend after the budget is met.
+MAX_TRIES = 80
+# A copy back starts when the backward still to run before its first use
+# takes this many times the copy (ignoring other copies in the queue).
+PREFETCH_SLACK = 2.0
+
+
+def hybrid(graph, cost, budget, allowed=ACTIONS):
+    """Keeps, swaps and recomputes per tensor for the fastest simulated step.
+
+    Uses only the actions in `allowed`. Model outputs and tensors saved
+    inside their producer are never swapped; recomputation replays pieces
+    of dataflow chains (`units.dataflow_chains`), which become the plan's
+    segments. With no budget, or if everything fits, nothing changes.
+
+    Args:
+        graph: a `Graph`.
+        cost: a `CostModel`; `max_in_flight_bytes` bounds the copies to
+            host, as the backend does.
+        budget: bytes, or `None`.
+        allowed: the actions the backend can carry out. Defaults to all.
+
+    Returns:
+        A `Plan`: the fastest fitting one found, or, if none fits, the one
+        with the lowest peak.
+    """
+    base = simulate(graph, {}, None, cost)
+    if budget is None or base.peak_bytes <= budget:
+        return _finish(graph, cost, budget, "hybrid", {})
+    search = _search(graph, cost, budget, allowed, base)
+    if not search.best_fits() and {"swap", "recompute"} <= set(allowed):
+        # Swaps whose copies lag free nothing in time; without them the
+        # greedy may split recompute units further.
+        alone = _search(graph, cost, budget, ("keep", "recompute"), base)
+        if alone.best_fits() or \
+                alone.best[2].peak_bytes < search.best[2].peak_bytes:
+            search = alone
+    actions, prefetch, _ = search.best
+    segments = sorted((u.segment for u in search.units_of(search.best_chosen)
+                       if u.kind == "recompute"),
+                      key=lambda s: search.index[s[0]])
+    return _finish(graph, cost, budget, "hybrid", actions, prefetch,
+                   segments=segments,
+                   uses=tuple(a for a in ("swap", "recompute") if a in allowed))
+
+
+def _search(graph, cost, budget, allowed, base):
+    search = _Search(graph, cost, budget, allowed, base)
+    search.greedy()
+    if not search.best_fits():
+        search.frugal()
+    if search.best_fits():
+        search.improve()
+    return search
+
+
+class _Search:
+    """The chosen units, prefetch distances, and the best plan seen."""
+
+    def __init__(self, graph, cost, budget, allowed, base):
+        self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
+        self.index = graph.op_index
+        self.units = []
+        if "swap" in allowed:
+            self.units += swap_units(graph, cost, base)
+        if "recompute" in allowed:
+            self.units += recompute_units(graph, cost)
+        self.swap_of, self.redo_of = {}, {}
+        for k, u in enumerate(self.units):
+            target = self.swap_of if u.kind == "swap" else self.redo_of
+            for t in u.tensors:
+                target[t] = k
+        self.chosen = set()
+        self.ahead = {}
+        bwd = [cost.bwd_time(op) for op in graph.ops]
+        # after[i]: backward time of ops i+1.. (those run before op i's).
+        self.after = [0.0] * len(bwd)
+        for i in range(len(bwd) - 2, -1, -1):
+            self.after[i] = self.after[i + 1] + bwd[i + 1]
+        fwd = [cost.fwd_time(op) for op in graph.ops]
+        self.fwd_total, self.bwd_total = sum(fwd), sum(bwd)
+        self.best = self.best_chosen = None
+        self.current = self.evaluate()
+
+    def units_of(self, chosen):
+        return [self.units[k] for k in sorted(chosen)]
+
+    def actions(self, chosen):
+        actions = {}
+        for u in self.units_of(chosen):
+            for t in u.tensors:
+                if u.kind == "recompute" or actions.get(t) != "recompute":
+                    actions[t] = u.kind
+        return actions
+
+    def evaluate(self, chosen=None, ahead=None):
+        """Simulates a choice; records it if it beats the best so far."""
+        chosen = self.chosen if chosen is None else chosen
+        ahead = self.ahead if ahead is None else ahead
+        actions = self.actions(chosen)
+        first = first_backward_use(self.graph, actions)
+        last = len(self.graph.ops) - 1
+        prefetch = {}
+        for t, a in actions.items():
+            if a == "swap" and t in first:
+                k = ahead.setdefault(t, self._initial_ahead(t, first[t]))
+                prefetch[t] = self.graph.ops[min(first[t] + k, last)].name
+        result = simulate(self.graph, actions, prefetch, self.cost)
+        if self.best is None or self._better(result, len(actions)):
+            self.best = (actions, prefetch, result)
+            self.best_chosen = set(chosen)
+        return result
+
+    def _initial_ahead(self, name, first):
+        need = PREFETCH_SLACK * self.cost.copy_time(
+            self.graph.tensor_map[name].nbytes, "h2d")
+        k = 1
+        while first + k < len(self.after) - 1 \
+                and self.after[first] - self.after[first + k] < need:
+            k += 1
+        return k
+
+    def _better(self, a, changed):
+        """Whether result `a` of `changed` actions beats the best so far:
+        fitting first, then faster, then fewer actions; else a lower peak."""
+        b = self.best[2]
+        fits_a, fits_b = a.peak_bytes <= self.budget, b.peak_bytes <= self.budget
+        if fits_a != fits_b:
+            return fits_a
+        if fits_a:
+            return (a.step_time, changed) < (b.step_time, len(self.best[0]))
+        return a.peak_bytes < b.peak_bytes
+
+    def best_fits(self):
+        return self.best[2].peak_bytes <= self.budget
+
+    def greedy(self):
+        """Acts on what is live at the peak until the budget is met."""
+        stale = 0
+        for _ in range(MAX_ROUNDS):
+            r = self.current
+            if r.peak_bytes <= self.budget or not self._relieve(r):
+                return
+            lowest = self.best[2].peak_bytes
+            self.current = self.evaluate()
+            # Rounds that no longer lower the peak are not worth more.
+            stale = 0 if self.current.peak_bytes < lowest else stale + 1
+            if stale >= MAX_STALE:
+                return
+
+    def frugal(self):
+        """Tries the most frugal choices: every recompute unit, then every
+        swap besides; the best (lowest peak) is kept."""
+        redo = {k for k, u in enumerate(self.units) if u.kind == "recompute"}
+        self.evaluate(redo)
+        everything = set(redo)
+        for k, u in enumerate(self.units):
+            if u.kind == "swap":
+                self._choose(k, everything)
+        for k in redo:
+            self._choose(k, everything)
+        self.evaluate(everything)
+
+    def _relieve(self, r):
+        """Chooses moves that free at least the excess at the peak."""
+        live = {name: n for kind, name, n in r.peak_live if kind == "activation"}
+        actions = self.actions(self.chosen)
+        moved = False
+        for t, n in live.items():
+            # A copy back started too early for the memory: start it later.
+            if actions.get(t) == "swap" and self.ahead.get(t, 1) > 1:
+                self.ahead[t] //= 2
+                moved = True
+        if moved:
+            return True
+        options = []
+        for k, u in enumerate(self.units):
+            if k in self.chosen:
+                continue
+            if u.kind == "swap" and u.tensors[0] in self.redo_of \
+                    and self.redo_of[u.tensors[0]] in self.chosen:
+                continue
+            # Recomputing frees a swapped tensor whose copy is not done.
+            acted = ("keep",) if u.kind == "swap" else ("keep", "swap")
+            freed = sum(live.get(t, 0) for t in u.tensors
+                        if actions.get(t, "keep") in acted)
+            if freed:
+                options.append((self._estimate(u) / freed, k, freed))
+        if not options:
+            return self._split(live, actions)
+        options.sort()
+        excess = r.peak_bytes - self.budget
+        for _, k, freed in options:
+            self._choose(k)
+            excess -= freed
+            if excess <= 0:
+                break
+        return bool(options)
+
+    def _split(self, live, actions):
+        """Halves the chosen recompute units whose replays are live at the
+        peak: their middle outputs are kept, each half replays alone."""
+        held = {}
+        for t, n in live.items():
+            k = self.redo_of.get(t)
+            if actions.get(t) == "recompute" and len(self.units[k].segment) > 3:
+                held[k] = held.get(k, 0) + n
+        if not held:
+            return False
+        for k in held:
+            self.chosen.discard(k)
+            for piece in halves(self.graph, self.cost, self.units[k]):
+                self.units.append(piece)
+                for t in piece.tensors:
+                    self.redo_of[t] = len(self.units) - 1
+                self._choose(len(self.units) - 1)
+        return True
+
+    def _estimate(self, unit):
+        if unit.kind == "recompute":
+            return unit.estimate
+        d2h = h2d = 0.0
+        for u in self.units_of(self.chosen):
+            if u.kind == "swap":
+                d2h += self.cost.copy_time(u.nbytes, "d2h")
+                h2d += self.cost.copy_time(u.nbytes, "h2d")
+        d2h += self.cost.copy_time(unit.nbytes, "d2h")
+        h2d += self.cost.copy_time(unit.nbytes, "h2d")
+        # A saturated link exposes what compute cannot cover.
+        overload = max(d2h - self.fwd_total, h2d - self.bwd_total, 0.0)
+        return max(unit.estimate, overload)
+
+    def _choose(self, k, chosen=None):
+        chosen = self.chosen if chosen is None else chosen
+        chosen.add(k)
+        if self.units[k].kind == "recompute":
+            for t in self.units[k].tensors:
+                chosen.discard(self.swap_of.get(t))
+
+    def improve(self):
+        """Local search from the best fitting plan: accept faster ones."""
+        self.chosen, tries = set(self.best_chosen), 0
+        improved = True
+        while improved and tries < MAX_TRIES:
+            improved = False
+            for chosen, ahead in self._neighbours():
+                if tries >= MAX_TRIES:
+                    break
+                tries += 1
+                before = self.best[2]
+                self.evaluate(chosen, ahead)
+                if self.best[2] is not before:
+                    self.chosen, self.ahead = set(chosen), ahead
+                    improved = True
+                    break
+
+    def _neighbours(self):
+        """Changes to try, the most promising first."""
+        stalls = self.best[2].stalls
+        actions = self.best[0]
+
+        def cost_of(k):
+            u = self.units[k]
+            return u.estimate + sum(stalls.get(t, 0.0) for t in u.tensors)
+
+        # Undoing an action puts its bytes back on the device; where they
+        # exceed the room under the budget, the undo would surely not fit.
+        room = self.budget - self.best[2].peak_bytes
+        for k in sorted(self.chosen, key=cost_of, reverse=True):
+            if self.units[k].nbytes <= room:
+                yield self.chosen - {k}, self.ahead
+        for t in sorted(stalls, key=stalls.get, reverse=True):
+            if actions.get(t) == "swap":
+                ahead = dict(self.ahead)
+                ahead[t] = 2 * ahead.get(t, 1)
+                yield self.chosen, ahead
+        for k in sorted(self.chosen, key=cost_of, reverse=True):
+            yield from self._trades(k)
+
+    def _trades(self, k):
+        """Swap in place of a recompute unit, or the reverse."""
+        u = self.units[k]
+        if u.kind == "recompute":
+            swaps = [self.swap_of.get(t) for t in u.tensors]
+            if all(s is not None for s in swaps):
+                yield (self.chosen - {k}) | set(swaps), self.ahead
+        elif u.tensors[0] in self.redo_of:
+            chosen = set(self.chosen)
+            self._choose(self.redo_of[u.tensors[0]], chosen)
+            yield chosen, self.ahead

@@ -1,0 +1,179 @@
+"""What the hybrid policy can act on: swap units and recompute units.
+
+A swap unit is one tensor. A recompute unit is a piece of a dataflow chain:
+ops linked output to input with nothing else reading the links in forward,
+whatever other ops the forward order puts between them (branched models
+interleave their branches, so the chains of `policies.chain_segments`,
+which need consecutive ops, are short there). The runtime replays such a
+piece from its first op's inputs, as it does any recompute segment: the
+piece's inner outputs, and what its members save inside themselves, are
+recomputed; its last output is not.
+
+Pure standard-library Python, no framework imports.
+"""
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Unit:
+    """Tensors the hybrid policy turns from keep to one action together.
+
+    Attributes:
+        kind: `"swap"` or `"recompute"`.
+        tensors: tuple of tensor names.
+        nbytes: their total size.
+        segment: for recompute, the op names replayed (forward order).
+        estimate: seconds the action is expected to add to the step.
+    """
+
+    kind: str
+    tensors: tuple
+    nbytes: int
+    segment: tuple = ()
+    estimate: float = 0.0
+
+
+def dataflow_chains(graph):
+    """Maximal chains of ops linked by single-reader tensors.
+
+    Op b follows op a when a has exactly one output (besides internal
+    tensors), that output may be recomputed, b is its only forward reader,
+    and b reads nothing else that is tagged.
+
+    Args:
+        graph: a `Graph`.
+
+    Returns:
+        List of chains (lists of op names in forward order), single ops
+        included.
+    """
+    tensors = graph.tensor_map
+    outputs = {op.name: [] for op in graph.ops}
+    inputs = {op.name: set(op.inputs) for op in graph.ops}
+    for t in graph.tensors:
+        if not t.internal:
+            outputs[t.producer].append(t.name)
+        for reader in t.fwd_readers:
+            inputs[reader].add(t.name)
+    follows = {}
+    for op in graph.ops:
+        out = outputs[op.name]
+        if len(out) != 1 or not tensors[out[0]].can_recompute:
+            continue
+        readers = set(tensors[out[0]].fwd_readers)
+        if len(readers) == 1:
+            reader = readers.pop()
+            if inputs[reader] == {out[0]}:
+                follows[op.name] = reader
+    has_prev = set(follows.values())
+    chains = []
+    for op in graph.ops:
+        if op.name in has_prev:
+            continue
+        chain = [op.name]
+        while chain[-1] in follows:
+            chain.append(follows[chain[-1]])
+        chains.append(chain)
+    return chains
+
+
+def recompute_units(graph, cost):
+    """Pieces of the dataflow chains (about sqrt(N) ops at most) to replay.
+
+    Args:
+        graph: a `Graph`.
+        cost: a `CostModel`, for each unit's recompute time.
+
+    Returns:
+        List of `Unit`s of kind `"recompute"` that free some bytes.
+    """
+    size = max(2, round(math.sqrt(len(graph.ops))))
+    # Replaying an op keeps its inputs until the replay: a head reading a
+    # tensor that the backward would not need (an add's or a
+    # concatenation's operands) would hold more than the piece frees.
+    # Such a head starts the piece only if it frees more than it holds.
+    held = {op.name: 0 for op in graph.ops}
+    made = {op.name: 0 for op in graph.ops}
+    for t in graph.tensors:
+        made[t.producer] += t.nbytes
+        if not t.bwd_readers:
+            for reader in set(t.fwd_readers):
+                held[reader] += t.nbytes
+    units = []
+    for chain in dataflow_chains(graph):
+        if held[chain[0]] > made[chain[0]]:
+            chain = chain[1:]
+        if not chain:
+            continue
+        count = math.ceil(len(chain) / size)
+        for j in range(count):
+            piece = tuple(chain[j * len(chain) // count:
+                                (j + 1) * len(chain) // count])
+            unit = _piece_unit(graph, cost, piece)
+            if unit is not None:
+                units.append(unit)
+    return units
+
+
+def halves(graph, cost, unit):
+    """A recompute unit cut in two at its middle op (whose output is kept).
+
+    Returns:
+        List of the halves that still free bytes.
+    """
+    piece, mid = unit.segment, len(unit.segment) // 2
+    halves = (_piece_unit(graph, cost, piece[:mid]),
+              _piece_unit(graph, cost, piece[mid:]))
+    return [h for h in halves if h is not None]
+
+
+def _piece_unit(graph, cost, piece):
+    """The recompute unit replaying `piece`, or `None` if it frees nothing."""
+    if len(piece) < 2:
+        return None
+    members = set(piece)
+    inner = [t for t in graph.tensors if t.producer in members and t.nbytes
+             and t.can_recompute and (t.producer != piece[-1] or t.internal)]
+    if not inner:
+        return None
+    ops = {op.name: op for op in graph.ops if op.name in members}
+    redone = {t.producer for t in inner}
+    return Unit("recompute", tuple(t.name for t in inner),
+                sum(t.nbytes for t in inner), piece,
+                sum(cost.fwd_time(ops[name]) for name in redone))
+
+
+def swap_units(graph, cost, base):
+    """One unit per tensor that may be swapped, with its exposed copy time.
+
+    Model outputs and tensors saved inside their producer are not swapped.
+    The estimate is the round trip's copy time less the idle window the
+    keep-all timeline `base` leaves the tensor (from its last forward use
+    to its first backward use).
+
+    Args:
+        graph: a `Graph`.
+        cost: a `CostModel`.
+        base: the `SimResult` of keeping everything.
+
+    Returns:
+        List of `Unit`s of kind `"swap"`.
+    """
+    start = {(e.op, e.phase): e.start for e in base.op_events}
+    end = {(e.op, e.phase): e.end for e in base.op_events}
+    index = graph.op_index
+    outputs = set(graph.outputs)
+    units = []
+    for t in graph.tensors:
+        if not (t.bwd_readers and t.nbytes and t.can_swap) or t.internal \
+                or t.name in outputs:
+            continue
+        last_fwd = max((t.producer,) + t.fwd_readers, key=index.get)
+        first_bwd = max(t.bwd_readers, key=index.get)
+        idle = max(0.0, start[first_bwd, "bwd"] - end[last_fwd, "fwd"])
+        trip = cost.copy_time(t.nbytes, "d2h") + cost.copy_time(t.nbytes, "h2d")
+        units.append(Unit("swap", (t.name,), t.nbytes, (),
+                          max(0.0, trip - idle)))
+    return units
