@@ -15,6 +15,7 @@ under a `keras.StatelessScope` too.
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -31,6 +32,8 @@ from keras_autovm.model_graph import layer_facts
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
 _FORMAT = 1
+# Layer attributes that are state, not architecture.
+_STATE = ("built", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +124,36 @@ class Profile:
 
 def fingerprint(model):
     """A stable hash of a model's architecture: each layer call's class,
-    config and input and output shapes and dtypes, in run order."""
+    settings, weight shapes and input and output shapes and dtypes, in run
+    order.
+
+    A layer's settings are its public attributes of plain types (strides,
+    padding, rates, the activation's name), not `get_config()`, whose
+    serialisation imports TensorFlow on every backend.
+    """
     parts = []
     for layer, node in layer_calls(model):
-        config = layer.get_config() if hasattr(layer, "get_config") else {}
-        parts.append([type(layer).__name__, config,
+        parts.append([type(layer).__name__, getattr(layer, "name", ""),
+                      _settings(layer),
+                      [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
                       [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
                       [(tuple(x.shape), str(x.dtype)) for x in node.outputs]])
-    text = json.dumps(parts, sort_keys=True, default=lambda o: type(o).__name__)
+    text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _settings(layer):
+    plain = (bool, int, float, str, type(None))
+    found = {}
+    for key, value in vars(layer).items():
+        if key.startswith("_") or key in _STATE:
+            continue
+        if inspect.isfunction(value):
+            value = value.__name__  # An activation function.
+        if isinstance(value, plain) or (isinstance(value, (tuple, list))
+                                         and all(isinstance(v, plain) for v in value)):
+            found[key] = value
+    return found
 
 
 def cache_dir():
