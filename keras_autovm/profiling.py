@@ -33,7 +33,7 @@ from keras_autovm.model_graph import layer_facts
 REPEATS = 3
 _FORMAT = 1
 # Layer attributes that are state, not architecture.
-_STATE = ("built", "training")
+_STATE = ("built", "training", "name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +127,15 @@ def fingerprint(model):
     settings, weight shapes and input and output shapes and dtypes, in run
     order.
 
-    A layer's settings are its public attributes of plain types (strides,
-    padding, rates, the activation's name), not `get_config()`, whose
-    serialisation imports TensorFlow on every backend.
+    Names are left out: the same model built again in one process gets new
+    automatic layer names (`conv2d_1`, ...). A layer's settings are its
+    public attributes of plain types (strides, padding, rates, the
+    activation's name), not `get_config()`, whose serialisation imports
+    TensorFlow on every backend.
     """
     parts = []
     for layer, node in layer_calls(model):
-        parts.append([type(layer).__name__, getattr(layer, "name", ""),
-                      _settings(layer),
+        parts.append([type(layer).__name__, _settings(layer),
                       [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
                       [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
                       [(tuple(x.shape), str(x.dtype)) for x in node.outputs]])
@@ -178,11 +179,17 @@ def obtain(model, batch_size, mechanism, verbose=0):
     """
     path = cache_path(mechanism.device_name(), mechanism.backend,
                       fingerprint(model), batch_size)
+    names = [name for name, _ in call_names(model)]
     if os.path.exists(path):
         try:
-            return Profile.load(path), False
+            cached = Profile.load(path)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # A damaged cache file is measured again and replaced.
+            cached = None  # A damaged cache file is measured again and replaced.
+        if cached is not None and len(cached.layers) == len(names):
+            # Same architecture, in run order: take this model's op names.
+            layers = tuple(dataclasses.replace(t, name=n)
+                           for t, n in zip(cached.layers, names))
+            return dataclasses.replace(cached, layers=layers), False
     profile = measure(model, batch_size, mechanism, verbose=verbose)
     profile.save(path)
     return profile, True

@@ -20,6 +20,10 @@ stopped once the device is done. Writes
 
 and prints profiling time as a share of the first epoch. `--smoke` runs a
 tiny CNN at 32x32 instead (a CPU check of the script, in seconds).
+The CPU figures in docs/planner.md are from
+
+    python recipes/gpu_profile.py --backend B --models small_cnn \
+        --batch-size 64 --steps 32 --out /tmp/profile
 """
 
 import argparse
@@ -37,7 +41,8 @@ def parse_args():
     parser.add_argument("--backend", default="torch",
                         choices=("torch", "jax", "tensorflow"))
     parser.add_argument("--models", default="vgg19,resnet152",
-                        help="comma-separated: vgg19, resnet152")
+                        help="comma-separated: vgg19, resnet152, small_cnn "
+                             "(recipes/small_cnn.py's model, 64x64)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30,
                         help="training steps in the timed first epoch")
@@ -56,6 +61,10 @@ def make_model(name, keras):
         x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(x)
         x = keras.layers.GlobalAveragePooling2D()(x)
         return keras.Model(inputs, keras.layers.Dense(10)(x), name="tiny")
+    if name == "small_cnn":
+        sys.path.insert(0, HERE)
+        import small_cnn
+        return small_cnn.make_model()
     build = {"vgg19": keras.applications.VGG19,
              "resnet152": keras.applications.ResNet152}[name]
     return build(weights=None, input_shape=(224, 224, 3), classes=1000)

@@ -144,3 +144,18 @@ def test_autovm_plans_with_a_given_profile():
     train(small_cnn, [callback])
     assert callback.report.stats["profile"] == "given"
     assert callback.plan.graph.ops[0].fwd_time is not None
+
+
+def test_cache_serves_the_same_model_rebuilt_with_new_names(cache):
+    def make():
+        return keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    mechanism = mechanisms.get()
+    first, second = make(), make()
+    a, measured_a = profiling.obtain(first, 2, mechanism)
+    b, measured_b = profiling.obtain(second, 2, mechanism)
+    assert measured_a and not measured_b
+    assert [t.name for t in b.layers] == [layer.name for layer in second.layers]
+    assert [t.name for t in a.layers] != [t.name for t in b.layers]
+    assert [t.fwd_s for t in a.layers] == [t.fwd_s for t in b.layers]
