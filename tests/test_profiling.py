@@ -159,3 +159,38 @@ def test_cache_serves_the_same_model_rebuilt_with_new_names(cache):
     assert [t.name for t in b.layers] == [layer.name for layer in second.layers]
     assert [t.name for t in a.layers] != [t.name for t in b.layers]
     assert [t.fwd_s for t in a.layers] == [t.fwd_s for t in b.layers]
+
+
+@pytest.mark.parametrize("fit_verbose,shown", [(0, False), (1, True)])
+def test_progress_bar_follows_fit_verbose(fit_verbose, shown, cache, capsys):
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_autovm.AutoVM(budget="1GiB", apply_without_gpu=True,
+                                   policy="keep_all", verbose=1)
+    model.fit(*data(8), batch_size=8, epochs=1, verbose=fit_verbose,
+              callbacks=[callback])
+    assert ("timing each layer" in capsys.readouterr().out) == shown
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the recipe picks its backend")
+def test_gpu_profile_recipe_writes_the_calibration_format(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "gpu_profile.py"), "--smoke",
+         "--batch-size", "4", "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "tiny_layer_times_torch.json") as f:
+        result = json.load(f)
+    assert set(result) == {"device", "backend", "batch_size", "layers", "link",
+                           "profile_s", "first_epoch_s", "steps"}
+    assert result["backend"] == "torch" and result["steps"] == 2
+    assert result["batch_size"] == 4 and result["first_epoch_s"] > 0
+    assert len(result["layers"]) == 6
+    assert set(result["layers"][0]) == {"name", "fwd_s", "bwd_s", "output_bytes"}
