@@ -11,8 +11,9 @@ from keras_autovm.dry_run import plan
 from keras_autovm.mechanisms.tensorflow.managed import enable_managed_memory
 from keras_autovm.planner import Plan
 from keras_autovm.planner import PlanError
+from keras_autovm.profiling import Profile
 from keras_autovm.wrapper import AutoVMWrapper
 
 __version__ = "0.1.0"
 __all__ = ["AutoVM", "AutoVMWrapper", "Plan", "PlanError",
-           "enable_managed_memory", "plan"]
+           "Profile", "enable_managed_memory", "plan"]

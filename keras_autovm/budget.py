@@ -97,34 +97,42 @@ def check_headroom(headroom):
                          f"Received: headroom={headroom!r}")
 
 
-def graph_for(model, batch_size, mechanism):
-    """The planner graph of `model` at `batch_size`, as `mechanism` runs it."""
-    return mechanism.adjust_graph(build_graph(model, batch_size), model)
+def graph_for(model, batch_size, mechanism, profile=None):
+    """The planner graph of `model` at `batch_size`, as `mechanism` runs it,
+    with the layer times of `profile` (a `keras_autovm.profiling.Profile`)
+    when given."""
+    graph = mechanism.adjust_graph(build_graph(model, batch_size), model)
+    return graph if profile is None else profile.apply(graph)
 
 
-def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
+def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
+                memory_scale=1.0):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
 
     `"auto"` chooses among the actions the mechanism recommends; a policy
     named explicitly may use any action the mechanism can carry out.
+    `memory_scale` is how much more memory than predicted a plan was
+    measured to use: plans must then fit the limit divided by it.
 
     Raises:
         keras_autovm.PlanError: no plan fits; its `min_budget` is the least
             budget (not limit) that would do.
     """
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
-    limit = int(budget_bytes * (1 - headroom))
+    limit = int(budget_bytes * (1 - headroom) / memory_scale)
     try:
         return planner.make_plan(graph, limit, policy=policy,
                                  cost=mechanism.swap_cost(cost), allowed=allowed)
     except planner.PlanError as error:
-        if not headroom:
+        if not headroom and memory_scale == 1.0:
             raise
         # State the minimum in the user's terms: the budget they would pass.
-        least = math.ceil(error.min_budget / (1 - headroom)) + 1
+        least = math.ceil(error.min_budget * memory_scale / (1 - headroom)) + 1
         raise planner.PlanError(
             f"No plan fits budget={planner.format_bytes(budget_bytes)}: plans must "
-            f"fit {planner.format_bytes(limit)} after {headroom:.0%} headroom, "
+            f"fit {planner.format_bytes(limit)} after {headroom:.0%} headroom"
+            + (f" and a measured memory overhead of {memory_scale:.2f}x"
+               if memory_scale != 1.0 else "") + ", "
             f"and the least any {policy!r} plan needs is "
             f"{planner.format_bytes(error.min_budget)}.", least) from None
 
@@ -142,6 +150,10 @@ class PlanBook:
             callback replaces it when it recalibrates.
         mechanism: the backend's mechanism (which actions it can do).
         announce: called with each new plan (to print it), or `None`.
+        profile: a `keras_autovm.profiling.Profile` whose layer times the
+            graphs carry, or `None` (roofline estimates). Defaults to `None`.
+        memory_scale: measured peak over predicted peak, learnt between
+            epochs (see `plan_within`). Defaults to 1.0.
     """
 
     model: object
@@ -151,14 +163,18 @@ class PlanBook:
     cost: planner.CostModel
     mechanism: object
     announce: object = None
+    profile: object = None
+    memory_scale: float = 1.0
     _graphs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def plan(self, batch_size):
         """A new plan for `batch_size` with the current cost model."""
         if batch_size not in self._graphs:
-            self._graphs[batch_size] = graph_for(self.model, batch_size, self.mechanism)
+            self._graphs[batch_size] = graph_for(self.model, batch_size,
+                                                 self.mechanism, self.profile)
         plan = plan_within(self._graphs[batch_size], self.budget_bytes,
-                           self.headroom, self.policy, self.cost, self.mechanism)
+                           self.headroom, self.policy, self.cost, self.mechanism,
+                           self.memory_scale)
         if self.announce is not None:
             self.announce(plan)
         return plan

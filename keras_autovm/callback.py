@@ -21,6 +21,7 @@ from keras_autovm import internals
 from keras_autovm import mechanisms
 from keras_autovm import patches as patches_lib
 from keras_autovm import planner
+from keras_autovm import profiling
 from keras_autovm import report as report_lib
 from keras_autovm.model_graph import functional_of
 from keras_autovm.runtime import Runtime
@@ -28,6 +29,8 @@ from keras_autovm.runtime import Runtime
 _POLICIES = tuple(planner.POLICIES)
 # Replan when measured step time is off the prediction by more than this.
 _REPLAN_RATIO = 1.25
+# Replan when the measured peak is over the predicted one by more than this.
+_PEAK_RATIO = 1.05
 
 
 class AutoVM(keras.callbacks.Callback):
@@ -96,7 +99,7 @@ class AutoVM(keras.callbacks.Callback):
                  report_dir: str | None = None, apply_without_gpu: bool = False,
                  cost: planner.CostModel | None = None,
                  headroom: float = budget_lib.DEFAULT_HEADROOM,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, profile="auto"):
         super().__init__()
         budget_lib.check_headroom(headroom)
         _check_budget(budget)
@@ -113,6 +116,8 @@ class AutoVM(keras.callbacks.Callback):
                                        or isinstance(batch_size, bool) or batch_size < 1):
             raise ValueError("`batch_size` must be a positive int or None. "
                              f"Received: batch_size={batch_size!r}")
+        profiling.check_setting(profile)
+        self.profile = profile
         self.budget = budget
         self.headroom = headroom
         self.batch_size = batch_size
@@ -123,6 +128,7 @@ class AutoVM(keras.callbacks.Callback):
         self.apply_without_gpu = apply_without_gpu
         self.cost = cost
         self.report = None
+        self.measured = None  # The `Profile` planned with, once known.
         self._runtime = None
 
     @property
@@ -151,19 +157,25 @@ class AutoVM(keras.callbacks.Callback):
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
         fit = internals.running_fit()
+        batch_size = self.batch_size or internals.batch_size_of(fit.get("epoch_iterator"))
+        self.measured, self._profile_source = profiling.for_fit(
+            self.profile, self._target, batch_size, self._mechanism,
+            verbose=self.verbose and (self.params or {}).get("verbose", 1) in (1, "auto"))
+        cost = self.cost or calibration.measured_cost(self._mechanism)
+        if self.measured is not None:
+            cost = self.measured.cost(cost, self._mechanism.copy_link)
         plans = budget_lib.PlanBook(
-            self._target, self._budget_bytes, self.headroom, self.policy,
-            self.cost or calibration.measured_cost(self._mechanism),
-            self._mechanism, announce=self._announce if self.verbose else None)
-        self._runtime = Runtime(
-            self._mechanism, plans, patches_lib.inner_layers(self._target),
-            batch_size=self.batch_size
-            or internals.batch_size_of(fit.get("epoch_iterator")))
+            self._target, self._budget_bytes, self.headroom, self.policy, cost,
+            self._mechanism, announce=self._announce if self.verbose else None,
+            profile=self.measured)
+        self._runtime = Runtime(self._mechanism, plans,
+                                patches_lib.inner_layers(self._target),
+                                batch_size=batch_size)
         if self._runtime.batch_size:
             # Plan now when `fit` says the batch size: a budget no plan meets
             # fails here, before anything is changed.
             self._runtime.plan_for(self._runtime.batch_size)
-        self._mechanism.reset_peak()
+        self._peak_resets = self._mechanism.reset_peak()
         self._patches = patches_lib.guard_fit(fit)
         self._applied = False
 
@@ -208,24 +220,37 @@ class AutoVM(keras.callbacks.Callback):
                       plan.result.d2h_bytes + plan.result.h2d_bytes),
                   "replanned": False}
         self._epochs.append(record)
-        if measured is not None and self._calibrate(measured, plan):
+        # A peak counts only if it was reset at the start (JAX's is the
+        # process's running peak, profiling included).
+        peak = record["peak_bytes"] if self._peak_resets else None
+        if self._calibrate(measured, peak, plan):
             record["replanned"] = True
         self._times = []
+        self._peak_resets = self._mechanism.reset_peak()
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
         if self.verbose:
             print(report_lib.epoch_line(record, self._budget_bytes))
 
-    def _calibrate(self, measured, plan):
-        """Scales compute times to the measurement; replans if the plan changes."""
-        ratio = measured / max(plan.result.step_time, 1e-12)
-        if abs(math.log(ratio)) < math.log(_REPLAN_RATIO):
-            return False
+    def _calibrate(self, measured, peak, plan):
+        """Scales compute times to the measured step time, and learns how far
+        the measured peak is over the predicted one; replans when either
+        moved, and retraces if the plan changes. A replan that fails keeps
+        the plan and what it was planned with."""
         plans = self._runtime.plans
-        plans.cost = plans.cost.scaled(ratio)
+        old = plans.cost, plans.memory_scale
+        ratio = measured / max(plan.result.step_time, 1e-12) if measured else 1.0
+        if abs(math.log(ratio)) >= math.log(_REPLAN_RATIO):
+            plans.cost = plans.cost.scaled(ratio)
+        if peak is not None and peak > plan.result.peak_bytes * _PEAK_RATIO:
+            plans.memory_scale = max(plans.memory_scale,
+                                     peak / max(plan.result.peak_bytes, 1))
+        if (plans.cost, plans.memory_scale) == old:
+            return False
         try:
             new = plans.plan(plan.graph.batch_size)
         except planner.PlanError as error:
+            plans.cost, plans.memory_scale = old
             warnings.warn(f"AutoVM kept its plan: replanning failed: {error}",
                           stacklevel=2)
             return False
@@ -242,7 +267,11 @@ class AutoVM(keras.callbacks.Callback):
         self._patches = None
         if self.plan is None:
             return
-        stats = dict(self._runtime.stats, **self._mechanism.stats)
+        stats = dict(self._runtime.stats, **self._mechanism.stats,
+                     profile=self._profile_source,
+                     memory_scale=self._runtime.plans.memory_scale)
+        if self.measured is not None:
+            stats["profile_s"] = self.measured.profile_s
         moved = self._mechanism.moved_bytes()
         if moved is not None:
             stats.update({f"measured_bytes_{k}": v for k, v in moved.items()})

@@ -10,12 +10,14 @@ from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
 from keras_autovm import mechanisms
 from keras_autovm import planner
+from keras_autovm import profiling
 
 
 def plan(model: keras.Model, batch_size: int,
          budget: int | str | float | None = None, policy: str = "auto",
          cost: planner.CostModel | None = None,
-         headroom: float = budget_lib.DEFAULT_HEADROOM) -> planner.Plan:
+         headroom: float = budget_lib.DEFAULT_HEADROOM,
+         profile=None) -> planner.Plan:
     """Plans which layer outputs to keep, swap to host or recompute.
 
     A dry run: nothing is trained and the model is not changed. The plan is
@@ -39,6 +41,10 @@ def plan(model: keras.Model, batch_size: int,
         headroom: the share of `budget` kept free for memory the planner
             does not model (framework scratch buffers, fragmentation): plans
             must fit `budget * (1 - headroom)`. Defaults to 0.15.
+        profile: measured layer and link costs: a
+            `keras_autovm.profiling.Profile` or the path of its JSON (as
+            `AutoVM` caches them, or `profiling.measure` returns); `None`
+            plans with roofline estimates. Defaults to `None`.
 
     Returns:
         A `keras_autovm.planner.Plan`; `Plan.summary()` prints it.
@@ -62,6 +68,10 @@ def plan(model: keras.Model, batch_size: int,
     budget_lib.check_headroom(headroom)
     mechanism = mechanisms.get()
     budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
+    measured = None if profile is None else profiling.load(profile)
+    cost = cost or calibration.measured_cost(mechanism)
+    if measured is not None:
+        cost = measured.cost(cost, mechanism.copy_link)
     return budget_lib.plan_within(
-        budget_lib.graph_for(model, int(batch_size), mechanism), budget_bytes,
-        headroom, policy, cost or calibration.measured_cost(mechanism), mechanism)
+        budget_lib.graph_for(model, int(batch_size), mechanism, measured),
+        budget_bytes, headroom, policy, cost, mechanism)

@@ -97,8 +97,8 @@ def call_takes_training(layer):
 def run_calls(model, inputs, around):
     """Runs a model's forward pass in training mode, one layer call at a time.
 
-    `around(operation, run, args)` is called for each call, in run order,
-    and must return `run()`'s result. Keras runs a functional graph through
+    `around(operation, run, args, kwargs)` is called for each call, in run
+    order, and must return `run()`'s result. Keras runs a functional graph through
     `Function._run_through_graph(inputs, operation_fn)` and passes
     `training` to the operations whose `_call_context_args` name it
     (`keras/src/models/functional.py`, `operation_fn`); no public API runs
@@ -110,7 +110,7 @@ def run_calls(model, inputs, around):
         def run(*args, **kwargs):
             if "training" in getattr(operation, "_call_context_args", {}):
                 kwargs["training"] = True
-            return around(operation, lambda: operation(*args, **kwargs), args)
+            return around(operation, lambda: operation(*args, **kwargs), args, kwargs)
         return run
 
     return fn._run_through_graph(inputs, operation_fn=operation_fn)

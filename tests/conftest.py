@@ -50,3 +50,17 @@ def data(n=32, size=16, seed=0):
 @pytest.fixture
 def cnn_data():
     return data()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def profile_cache(tmp_path_factory):
+    """Profiles measured by tests go to a fresh directory, not the user's
+    cache; they are shared by the session (the same model is timed once)."""
+    path = str(tmp_path_factory.mktemp("autovm_profiles"))
+    old = os.environ.get("KERAS_AUTOVM_CACHE_DIR")
+    os.environ["KERAS_AUTOVM_CACHE_DIR"] = path
+    yield path
+    if old is None:
+        os.environ.pop("KERAS_AUTOVM_CACHE_DIR", None)
+    else:
+        os.environ["KERAS_AUTOVM_CACHE_DIR"] = old

@@ -228,6 +228,6 @@ def test_failed_replan_keeps_the_plan_in_use(monkeypatch):
     monkeypatch.setattr(callback._runtime.plans, "plan", fail)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert not callback._calibrate(plan.result.step_time * 10, plan)
+        assert not callback._calibrate(plan.result.step_time * 10, None, plan)
     assert any("kept its plan" in str(w.message) for w in caught)
     assert callback.plan is plan

@@ -14,7 +14,14 @@ segments under `keras.remat`, on a machine without a GPU. A backend module
 overrides what differs; see docs/architecture.md.
 """
 
+import contextlib
+import platform
+import statistics
+import time
+
 import keras
+
+from keras_autovm import internals
 
 
 class Mechanism:
@@ -84,6 +91,37 @@ class Mechanism:
         """Bytes measured moving between device and host, or `None`."""
         return None
 
+    def device_name(self):
+        """The device training runs on, as a cache key: the GPU's name, or
+        `"cpu:<processor>"` without one."""
+        return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
+
+    # --------------------------------------------------- measured costs
+
+    def time_call(self, operation, args, kwargs, repeats):
+        """Times one layer call on this backend: `(forward_s, backward_s)`.
+
+        The forward is `operation`'s call on `args`/`kwargs` through
+        `stateless_call` (so no variable changes), the backward its
+        vector-Jacobian product for the weights and the float inputs. Each is
+        the median of `repeats` runs after a warm-up, the clock stopped only
+        once the device is done.
+        """
+        raise NotImplementedError(
+            f"Timing layer calls is not implemented for the {self.backend!r} "
+            "backend.")
+
+    def measuring(self):
+        """A context for the measuring forward pass: it records nothing for
+        a backward pass and leaves global random generators as they were."""
+        return contextlib.nullcontext()
+
+    def measure_link(self):
+        """GB/s of this backend's own pinned copies to host (`pinned_d2h`),
+        to the device (`pinned_h2d`) and both at once (`pinned_both_d2h`,
+        `pinned_both_h2d`), or `None` (no GPU, or not measured here)."""
+        return None
+
     # ------------------------------------------ inside a traced training step
 
     def tag(self, x, name):
@@ -114,3 +152,36 @@ class Mechanism:
         change is one they should know about, else `None`.
         """
         return None
+
+
+def median_seconds(run, wait, repeats):
+    """Median wall time of `run()` over `repeats` runs after one warm-up
+    (which compiles, where the backend compiles), each stopped after
+    `wait(result)` says the device is done."""
+    wait(run())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        wait(run())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def call_values(operation, tv, ntv, args, kwargs):
+    """Calls a layer on explicit variable values without changing it
+    (`stateless_call`); a raw `keras.ops` operation has no variables."""
+    if isinstance(operation, keras.layers.Layer):
+        # `stateless_call` runs `call` directly, so passes on only what it takes.
+        if not internals.call_takes_training(operation):
+            kwargs = {k: v for k, v in kwargs.items() if k != "training"}
+        outputs, _ = operation.stateless_call(tv, ntv, *args, **kwargs)
+        return outputs
+    return operation(*args, **kwargs)
+
+
+def variable_values(operation):
+    """The trainable and non-trainable variable values of a layer call."""
+    if not isinstance(operation, keras.layers.Layer):
+        return [], []
+    return ([v.value for v in operation.trainable_variables],
+            [v.value for v in operation.non_trainable_variables])

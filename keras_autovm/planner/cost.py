@@ -40,6 +40,8 @@ class CostModel:
             `1.0`.
         max_in_flight_bytes: bound on outstanding device-to-host copy
             bytes, or `None`. Defaults to `None`.
+        link_measured: whether the copy bandwidths were measured on this
+            machine (shown in plan summaries). Defaults to `False`.
     """
 
     flops_per_s: float = 40e12
@@ -50,6 +52,7 @@ class CostModel:
     op_overhead_s: float = 5e-6
     time_scale: float = 1.0
     max_in_flight_bytes: float = None
+    link_measured: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "mem_bytes_per_s", "d2h_bytes_per_s",

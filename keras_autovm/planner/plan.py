@@ -124,8 +124,22 @@ class Plan:
             f"stall {_format_time(r.stall_time)})",
             f"Bytes moved: {format_bytes(r.d2h_bytes)} to host, "
             f"{format_bytes(r.h2d_bytes)} to device",
+            f"Costs: {self.cost_source()}",
         ]
         return lines + [f"Note: {note}" for note in self.notes]
+
+    def cost_source(self):
+        """Where the predicted times come from: `"measured"` layer times or
+        the `"roofline (uncalibrated)"` estimate, and the link's."""
+        timed = sum(op.fwd_time is not None for op in self.graph.ops)
+        if timed == len(self.graph.ops) and timed:
+            compute = "measured"
+        elif timed:
+            compute = f"measured ({timed} of {len(self.graph.ops)} layers, the rest roofline)"
+        else:
+            compute = "roofline (uncalibrated)"
+        link = "measured" if self.cost.link_measured else "default bandwidths"
+        return f"compute {compute}, link {link}"
 
     def to_dict(self):
         """Returns the plan and its forecast as JSON-serialisable data."""
@@ -156,6 +170,7 @@ class Plan:
                 "h2d_bytes": r.h2d_bytes,
             },
             "cost": dataclasses.asdict(self.cost),
+            "cost_source": self.cost_source(),
             "batch_size": self.graph.batch_size,
             "persistent_bytes": self.graph.persistent_bytes,
         }

@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.jax import timing
 
 
 class JaxMechanism(Mechanism):
@@ -46,6 +47,13 @@ class JaxMechanism(Mechanism):
     def peak_memory(self):
         # XLA's client offers no reset: this is the process's running peak.
         return self._memory_stat("peak_bytes_in_use")
+
+    def device_name(self):
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        return gpus[0].device_kind if gpus else super().device_name()
+
+    def time_call(self, operation, args, kwargs, repeats):
+        return timing.time_call(operation, args, kwargs, repeats)
 
     def _memory_stat(self, key):
         gpus = [d for d in jax.devices() if d.platform == "gpu"]

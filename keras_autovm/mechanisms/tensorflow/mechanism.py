@@ -19,6 +19,7 @@ from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import managed
 from keras_autovm.mechanisms.tensorflow import swap
+from keras_autovm.mechanisms.tensorflow import timing
 from keras_autovm.planner import choose
 
 
@@ -68,6 +69,16 @@ class TensorFlowMechanism(Mechanism):
 
     def gpu_available(self):
         return bool(tf.config.list_physical_devices("GPU"))
+
+    def device_name(self):
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return super().device_name()
+        details = tf.config.experimental.get_device_details(gpus[0])
+        return details.get("device_name", gpus[0].name)
+
+    def time_call(self, operation, args, kwargs, repeats):
+        return timing.time_call(operation, args, kwargs, repeats)
 
     def device_memory(self):
         """The GPU's memory limit: the logical device's cap if one is set."""

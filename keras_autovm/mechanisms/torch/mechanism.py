@@ -12,6 +12,7 @@ import torch
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.torch import profile
 from keras_autovm.mechanisms.torch import swap
+from keras_autovm.mechanisms.torch import timing
 
 # How far (in link time) the forward may run ahead of its copies to host.
 IN_FLIGHT_SECONDS = 0.05
@@ -58,6 +59,20 @@ class TorchMechanism(Mechanism):
             return None
         total = torch.cuda.get_device_properties(0).total_memory
         return int(total * torch.cuda.get_per_process_memory_fraction(0))
+
+    def device_name(self):
+        if not self.gpu_available():
+            return super().device_name()
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+
+    def time_call(self, operation, args, kwargs, repeats):
+        return timing.time_call(operation, args, kwargs, repeats)
+
+    def measure_link(self):
+        return timing.measure_link()
+
+    def measuring(self):
+        return timing.measuring()
 
     def peak_memory(self):
         return torch.cuda.max_memory_allocated() if self.gpu_available() else None

@@ -116,7 +116,7 @@ def _run(model, batch_size):
         # output would then hold itself, a cycle nothing breaks (a leak).
         return tensor if memory.on else None
 
-    def around(operation, run, args):
+    def around(operation, run, args, kwargs):
         del packed[:len(packed)]
         memory.begin()
         outputs = run()

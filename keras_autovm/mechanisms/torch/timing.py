@@ -1,0 +1,96 @@
+"""Times one layer call on torch, and the pinned link, with CUDA waits.
+
+A layer call runs through `stateless_call` on detached copies of its
+weights and inputs that require gradients; its backward is
+`torch.autograd.grad` of the outputs, repeated on the retained graph, so its
+time holds no forward. Everything runs under `torch.random.fork_rng`: a
+random layer draws from the global generators, which must not move.
+"""
+
+import contextlib
+
+import keras
+import torch
+
+from keras_autovm.mechanisms.base import call_values
+from keras_autovm.mechanisms.base import median_seconds
+from keras_autovm.mechanisms.base import variable_values
+
+# Bytes per copy when measuring the link: large enough for the copy engines
+# to reach their rate (measured: 55 GB/s from 64 MiB up on an H200).
+LINK_BYTES = 64 << 20
+
+
+def _wait(result=None):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _leaf(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().requires_grad_(True)
+    return x
+
+
+@contextlib.contextmanager
+def measuring():
+    """No autograd recording, and the global generators restored after."""
+    with _fork_rng(), torch.no_grad():
+        yield
+
+
+def _fork_rng():
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=devices)
+
+
+def time_call(operation, args, kwargs, repeats):
+    """`(forward_s, backward_s)` of one layer call; see `Mechanism.time_call`."""
+    with _fork_rng(), torch.enable_grad():
+        tv, ntv = variable_values(operation)
+        tv = [_leaf(x) for x in tv]
+        args = keras.tree.map_structure(_leaf, args)
+        wrt = tv + [x for x in keras.tree.flatten(args)
+                    if isinstance(x, torch.Tensor) and x.requires_grad]
+
+        def forward():
+            return call_values(operation, tv, ntv, args, kwargs)
+
+        fwd_s = median_seconds(forward, _wait, repeats)
+        outputs = [x for x in keras.tree.flatten(forward())
+                   if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not outputs or not wrt:
+            return fwd_s, 0.0
+        ones = [torch.ones_like(x) for x in outputs]
+
+        def backward():
+            return torch.autograd.grad(outputs, wrt, ones, retain_graph=True,
+                                       allow_unused=True)
+
+        return fwd_s, median_seconds(backward, _wait, repeats)
+
+
+def measure_link(repeats=3):
+    """GB/s of pinned copies: to host, to device, and both at once on two
+    streams (the two directions share the link's controller on some
+    hosts); `None` without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    n = LINK_BYTES
+    device = torch.empty(n, dtype=torch.uint8, device="cuda")
+    device2 = torch.empty_like(device)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty_like(host).pin_memory()
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def on(stream, copy):
+        with torch.cuda.stream(stream):
+            copy()
+
+    d2h = lambda: on(streams[0], lambda: host.copy_(device, non_blocking=True))  # noqa: E731
+    h2d = lambda: on(streams[1], lambda: device2.copy_(host2, non_blocking=True))  # noqa: E731
+    both = median_seconds(lambda: (d2h(), h2d()), _wait, repeats)
+    gbps = lambda s: n / s / 1e9  # noqa: E731
+    return {"pinned_d2h": gbps(median_seconds(d2h, _wait, repeats)),
+            "pinned_h2d": gbps(median_seconds(h2d, _wait, repeats)),
+            "pinned_both_d2h": gbps(both), "pinned_both_h2d": gbps(both)}

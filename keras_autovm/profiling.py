@@ -1,0 +1,293 @@
+"""Measured costs: each layer call's forward and backward time, and the link.
+
+`obtain(model, batch_size, mechanism)` returns the `Profile` of a model on
+the device and backend in use, from the on-disk cache when this device,
+backend, architecture and batch size were measured before, else measured now
+(`measure`) and cached. Measuring runs the model's forward pass once on zeros
+of the input shapes, layer call by layer call; at each call it has the
+backend's mechanism time that call's forward and backward a few times
+(`Mechanism.time_call`). Nothing changes: the pass runs under a
+`keras.StatelessScope`, and the timed calls through `stateless_call`.
+
+A layer's recompute cost is its forward time: a replay runs the same call
+under a `keras.StatelessScope` too.
+"""
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import time
+import warnings
+
+import keras
+
+from keras_autovm import calibration
+from keras_autovm import internals
+from keras_autovm.model_graph import call_names
+from keras_autovm.model_graph import layer_calls
+from keras_autovm.model_graph import layer_facts
+
+#: Timed runs of each forward and backward, after one warm-up.
+REPEATS = 3
+_FORMAT = 1
+# Layer attributes that are state, not architecture.
+_STATE = ("built", "training", "name")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTime:
+    """One layer call, measured at the profile's batch size (seconds)."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    output_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What was measured for one model on one device and backend.
+
+    Args:
+        device: the device's name (`Mechanism.device_name()`).
+        backend: the Keras backend.
+        batch_size: the batch size the layers were timed at.
+        fingerprint: the model's architecture (`fingerprint(model)`).
+        layers: a tuple of `LayerTime`, in run order.
+        link: GB/s per link figure (`"pinned_d2h"`, `"pinned_h2d"`,
+            `"pinned_both_d2h"`, ...); empty when there is no GPU.
+        profile_s: seconds the measurement took.
+    """
+
+    device: str
+    backend: str
+    batch_size: int
+    fingerprint: str
+    layers: tuple
+    link: dict = dataclasses.field(default_factory=dict)
+    profile_s: float = 0.0
+
+    def to_dict(self):
+        """The profile as JSON-serialisable data."""
+        return {"format": _FORMAT, "device": self.device, "backend": self.backend,
+                "batch_size": self.batch_size, "fingerprint": self.fingerprint,
+                "layers": [dataclasses.asdict(t) for t in self.layers],
+                "link": dict(self.link), "profile_s": self.profile_s}
+
+    @classmethod
+    def from_dict(cls, data):
+        layers = tuple(LayerTime(t["name"], float(t["fwd_s"]), float(t["bwd_s"]),
+                                 int(t["output_bytes"])) for t in data["layers"])
+        return cls(data["device"], data["backend"], int(data["batch_size"]),
+                   data.get("fingerprint", ""), layers, dict(data.get("link", {})),
+                   float(data.get("profile_s", 0.0)))
+
+    def save(self, path):
+        """Writes the profile as JSON to `path`."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)  # A reader never sees half a file.
+
+    @classmethod
+    def load(cls, path):
+        """Reads a profile written by `save`."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def apply(self, graph):
+        """`graph` (a `planner.Graph`) with the measured times on its ops.
+
+        Times are scaled linearly to the graph's batch size when it differs
+        from the profile's (a last partial batch); ops not measured keep
+        their roofline estimate.
+        """
+        scale = graph.batch_size / self.batch_size if graph.batch_size else 1.0
+        times = {t.name: t for t in self.layers}
+        ops = tuple(dataclasses.replace(op, fwd_time=times[op.name].fwd_s * scale,
+                                        bwd_time=times[op.name].bwd_s * scale)
+                    if op.name in times else op for op in graph.ops)
+        return dataclasses.replace(graph, ops=ops)
+
+    def cost(self, cost, link):
+        """`cost` (a `planner.CostModel`) with the measured bandwidths of
+        `link` (`"pinned"` or `"managed_prefetch"`), when measured."""
+        d2h, h2d = self.link.get(f"{link}_d2h"), self.link.get(f"{link}_h2d")
+        if not (d2h and h2d):
+            return cost
+        return dataclasses.replace(cost, d2h_bytes_per_s=d2h * 1e9,
+                                   h2d_bytes_per_s=h2d * 1e9, link_measured=True)
+
+
+def fingerprint(model):
+    """A stable hash of a model's architecture: each layer call's class,
+    settings, weight shapes and input and output shapes and dtypes, in run
+    order.
+
+    Names are left out: the same model built again in one process gets new
+    automatic layer names (`conv2d_1`, ...). A layer's settings are its
+    public attributes of plain types (strides, padding, rates, the
+    activation's name), not `get_config()`, whose serialisation imports
+    TensorFlow on every backend.
+    """
+    parts = []
+    for layer, node in layer_calls(model):
+        parts.append([type(layer).__name__, _settings(layer),
+                      [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
+                      [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
+                      [(tuple(x.shape), str(x.dtype)) for x in node.outputs]])
+    text = json.dumps(parts, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _settings(layer):
+    plain = (bool, int, float, str, type(None))
+    found = {}
+    for key, value in vars(layer).items():
+        if key.startswith("_") or key in _STATE:
+            continue
+        if inspect.isfunction(value):
+            value = value.__name__  # An activation function.
+        if isinstance(value, plain) or (isinstance(value, (tuple, list))
+                                         and all(isinstance(v, plain) for v in value)):
+            found[key] = value
+    return found
+
+
+def cache_dir():
+    """Where profiles are cached: `$KERAS_AUTOVM_CACHE_DIR`, else
+    `~/.cache/keras_autovm/profiles`."""
+    return os.environ.get("KERAS_AUTOVM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "keras_autovm", "profiles")
+
+
+def cache_path(device, backend, model_fingerprint, batch_size):
+    """The cache file of one (device, backend, model, batch size)."""
+    key = hashlib.sha256(f"{device}|{backend}".encode()).hexdigest()[:12]
+    return os.path.join(cache_dir(), f"{backend}-{key}-{model_fingerprint}-b{batch_size}.json")
+
+
+def obtain(model, batch_size, mechanism, verbose=0):
+    """The profile of `model` at `batch_size`: cached, or measured and cached.
+
+    Returns:
+        `(profile, measured)`: `measured` is `False` when it came from the
+        cache.
+    """
+    path = cache_path(mechanism.device_name(), mechanism.backend,
+                      fingerprint(model), batch_size)
+    names = [name for name, _ in call_names(model)]
+    if os.path.exists(path):
+        try:
+            cached = Profile.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = None  # A damaged cache file is measured again and replaced.
+        if cached is not None and len(cached.layers) == len(names):
+            # Same architecture, in run order: take this model's op names.
+            layers = tuple(dataclasses.replace(t, name=n)
+                           for t, n in zip(cached.layers, names))
+            return dataclasses.replace(cached, layers=layers), False
+    profile = measure(model, batch_size, mechanism, verbose=verbose)
+    profile.save(path)
+    return profile, True
+
+
+def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
+    """Times each layer call of `model` at `batch_size`, and the link.
+
+    Args:
+        model: a built Sequential or functional Keras model.
+        batch_size: the batch size to time at.
+        mechanism: the backend's mechanism (`keras_autovm.mechanisms.get()`).
+        repeats: timed runs per forward and per backward. Defaults to 3.
+        verbose: show a `keras.utils.Progbar` when true. Defaults to 0.
+
+    Returns:
+        A `Profile`.
+    """
+    start = time.perf_counter()
+    names = call_names(model)
+    bar = keras.utils.Progbar(len(names), unit_name="layer") if verbose else None
+    if bar is not None:
+        print("AutoVM: timing each layer's forward and backward pass")
+    fn = internals.functional_of(model)
+    inputs = [keras.ops.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype)
+              for x in fn.inputs]
+    found = []
+
+    def around(operation, run, args, kwargs):
+        outputs = run()
+        name, _ = names[len(found)]
+        fwd_s, bwd_s = mechanism.time_call(operation, args, kwargs, repeats)
+        size = sum(layer_facts.nbytes(x, batch_size, name)
+                   for x in keras.tree.flatten(outputs) if hasattr(x, "shape"))
+        found.append(LayerTime(name, fwd_s, bwd_s, int(size)))
+        if bar is not None:
+            bar.update(len(found))
+        return outputs
+
+    # Layer state the training-mode pass would update (batch-norm moving
+    # statistics, seed generators) is read from, and written to, the scope.
+    state = [(v, v.value) for v in model.non_trainable_variables]
+    with keras.StatelessScope(state_mapping=state), mechanism.measuring():
+        internals.run_calls(model, inputs, around)
+    link = calibration.measure_link(mechanism)
+    return Profile(mechanism.device_name(), mechanism.backend, int(batch_size),
+                   fingerprint(model), tuple(found), link,
+                   time.perf_counter() - start)
+
+
+def load(profile):
+    """A `Profile` from a `Profile` or the path of its JSON."""
+    if isinstance(profile, Profile):
+        return profile
+    if isinstance(profile, (str, os.PathLike)):
+        return Profile.load(profile)
+    raise ValueError("`profile` must be a keras_autovm Profile or the path of "
+                     f"its JSON. Received: profile={profile!r}")
+
+
+
+def check_setting(profile):
+    """Rejects a malformed `profile=` argument now, naming it."""
+    if profile in ("auto", None, False) or isinstance(profile, (Profile, str, os.PathLike)):
+        return
+    raise ValueError('`profile` must be "auto", None, False, a keras_autovm '
+                     f"Profile or the path of its JSON. Received: profile={profile!r}")
+
+
+def for_fit(setting, model, batch_size, mechanism, verbose=0):
+    """The profile a `fit` plans with, and where it came from.
+
+    Args:
+        setting: the `profile=` argument: `"auto"` (cached, else measured
+            now), `None`/`False` (off), a `Profile` or the path of its JSON.
+        model, batch_size, mechanism: what to measure; `batch_size` may be
+            `None` when `fit` does not say it, and nothing is measured then.
+        verbose: show a progress bar while measuring.
+
+    Returns:
+        `(profile, source)`: `profile` is a `Profile` or `None`; `source`
+        is `"measured"`, `"cache"`, `"given"` or `"off"`.
+    """
+    if setting is None or setting is False:
+        return None, "off"
+    if setting != "auto":
+        return load(setting), "given"
+    if batch_size is None:
+        warnings.warn("AutoVM could not tell the batch size before training, so "
+                      "it plans with roofline estimates instead of measured "
+                      "layer times. Pass AutoVM(batch_size=...) to measure.",
+                      stacklevel=3)
+        return None, "off"
+    try:
+        profile, measured = obtain(model, batch_size, mechanism, verbose)
+    except Exception as error:  # noqa: BLE001 - a failed measurement must not stop training
+        warnings.warn(f"AutoVM could not measure layer times, so it plans with "
+                      f"roofline estimates: {type(error).__name__}: {error}",
+                      stacklevel=3)
+        return None, "off"
+    return profile, "measured" if measured else "cache"

@@ -1,0 +1,196 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_autovm
+from keras_autovm import mechanisms
+from keras_autovm import profiling
+from conftest import BACKEND, data, skip_model, small_cnn
+
+
+def train(model_fn, callbacks=(), epochs=1):
+    keras.utils.set_random_seed(7)
+    model = model_fn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = data(32)
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False,
+              callbacks=list(callbacks), verbose=0)
+    return model
+
+
+def autovm(**kwargs):
+    kwargs.setdefault("budget", "1GiB")
+    return keras_autovm.AutoVM(verbose=0, apply_without_gpu=True, **kwargs)
+
+
+def dropout_cnn():
+    return keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", name="c1"),
+        keras.layers.BatchNormalization(name="bn1"),
+        keras.layers.Dropout(0.5, name="drop"),
+        keras.layers.GlobalAveragePooling2D(name="gap"),
+        keras.layers.Dense(4, name="head"),
+    ])
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AUTOVM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_measure_times_every_layer_call_and_changes_nothing():
+    model = dropout_cnn()
+    variables = [keras.ops.convert_to_numpy(v.value) for v in model.variables]
+    rng = None
+    if BACKEND == "torch":
+        import torch
+        rng = torch.random.get_rng_state()
+    profile = profiling.measure(model, 4, mechanisms.get(), repeats=1)
+    assert [t.name for t in profile.layers] == ["c1", "bn1", "drop", "gap", "head"]
+    for t in profile.layers:
+        assert t.fwd_s > 0 and t.bwd_s >= 0, t
+    assert profile.layers[0].output_bytes == 4 * 16 * 16 * 8 * 4
+    assert profile.layers[0].bwd_s > 0  # A convolution has a backward.
+    # Moving statistics, seed generator states and weights are unchanged.
+    for before, v in zip(variables, model.variables):
+        np.testing.assert_array_equal(before, keras.ops.convert_to_numpy(v.value), err_msg=v.path)
+    if rng is not None:
+        assert torch.equal(rng, torch.random.get_rng_state())
+
+
+@pytest.mark.parametrize("model_fn", [dropout_cnn, skip_model])
+def test_training_with_profiling_gives_identical_weights(model_fn, cache):
+    reference = train(model_fn, [autovm(policy="keep_all", profile=None)], epochs=2)
+    callback = autovm(policy="keep_all")
+    model = train(model_fn, [callback], epochs=2)
+    assert callback.measured is not None
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_second_fit_reads_the_cache_and_a_changed_model_is_measured(
+        cache, monkeypatch):
+    first = autovm()
+    train(small_cnn, [first])
+    assert first.report.stats["profile"] == "measured"
+    assert len(os.listdir(cache)) == 1
+
+    def fail(*args, **kwargs):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(profiling, "measure", fail)
+    second = autovm()
+    train(small_cnn, [second])
+    assert second.report.stats["profile"] == "cache"
+    assert second.measured == first.measured
+    monkeypatch.undo()
+    monkeypatch.setenv("KERAS_AUTOVM_CACHE_DIR", str(cache))
+    changed = autovm()
+    train(lambda: small_cnn(size=8), [changed])
+    assert changed.report.stats["profile"] == "measured"
+    assert len(os.listdir(cache)) == 2
+
+
+def test_fingerprint_follows_the_architecture():
+    assert profiling.fingerprint(small_cnn()) == profiling.fingerprint(small_cnn())
+    assert profiling.fingerprint(small_cnn()) != profiling.fingerprint(small_cnn(8))
+    assert profiling.fingerprint(small_cnn()) != profiling.fingerprint(skip_model())
+
+
+def fake_profile(model, batch_size, fwd=1e-3, link=None):
+    names = [op.name for op in keras_autovm.plan(model, batch_size, "1GiB").graph.ops]
+    layers = tuple(profiling.LayerTime(n, fwd, 2 * fwd, 0) for n in names)
+    return profiling.Profile("test-device", BACKEND, batch_size, "f", layers,
+                             link or {})
+
+
+def test_plan_takes_a_profile_object_or_path(tmp_path):
+    model = small_cnn()
+    profile = fake_profile(model, 8, link={"pinned_d2h": 10.0, "pinned_h2d": 20.0})
+    path = str(tmp_path / "p.json")
+    profile.save(path)
+    assert profiling.Profile.load(path) == profile
+    for given in (profile, path):
+        plan = keras_autovm.plan(model, 8, "1GiB", policy="keep_all", profile=given)
+        assert all(op.fwd_time == 1e-3 and op.bwd_time == 2e-3 for op in plan.graph.ops)
+        assert plan.cost.d2h_bytes_per_s == 10e9 and plan.cost.h2d_bytes_per_s == 20e9
+        assert plan.cost_source() == "compute measured, link measured"
+        n = len(plan.graph.ops)
+        assert plan.result.compute_time == pytest.approx(n * 3e-3)
+    # Half the batch: the times scale with it.
+    half = keras_autovm.plan(model, 4, "1GiB", policy="keep_all", profile=profile)
+    assert half.graph.ops[0].fwd_time == pytest.approx(0.5e-3)
+    plain = keras_autovm.plan(model, 8, "1GiB", policy="keep_all")
+    assert plain.cost_source().startswith("compute roofline (uncalibrated)")
+    lines = []
+    plain.summary(print_fn=lines.append)
+    assert any("roofline (uncalibrated)" in line for line in lines)
+    with pytest.raises(ValueError, match="profile="):
+        keras_autovm.plan(model, 8, "1GiB", profile=3)
+
+
+def test_autovm_checks_profile_argument():
+    with pytest.raises(ValueError, match="profile=3"):
+        keras_autovm.AutoVM(profile=3)
+
+
+def test_autovm_plans_with_a_given_profile():
+    model = small_cnn()
+    callback = autovm(policy="keep_all", profile=fake_profile(model, 8, fwd=0.01))
+    train(small_cnn, [callback])
+    assert callback.report.stats["profile"] == "given"
+    assert callback.plan.graph.ops[0].fwd_time is not None
+
+
+def test_cache_serves_the_same_model_rebuilt_with_new_names(cache):
+    def make():
+        return keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    mechanism = mechanisms.get()
+    first, second = make(), make()
+    a, measured_a = profiling.obtain(first, 2, mechanism)
+    b, measured_b = profiling.obtain(second, 2, mechanism)
+    assert measured_a and not measured_b
+    assert [t.name for t in b.layers] == [layer.name for layer in second.layers]
+    assert [t.name for t in a.layers] != [t.name for t in b.layers]
+    assert [t.fwd_s for t in a.layers] == [t.fwd_s for t in b.layers]
+
+
+@pytest.mark.parametrize("fit_verbose,shown", [(0, False), (1, True)])
+def test_progress_bar_follows_fit_verbose(fit_verbose, shown, cache, capsys):
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_autovm.AutoVM(budget="1GiB", apply_without_gpu=True,
+                                   policy="keep_all", verbose=1)
+    model.fit(*data(8), batch_size=8, epochs=1, verbose=fit_verbose,
+              callbacks=[callback])
+    assert ("timing each layer" in capsys.readouterr().out) == shown
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the recipe picks its backend")
+def test_gpu_profile_recipe_writes_the_calibration_format(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "gpu_profile.py"), "--smoke",
+         "--batch-size", "4", "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "tiny_layer_times_torch.json") as f:
+        result = json.load(f)
+    assert set(result) == {"device", "backend", "batch_size", "layers", "link",
+                           "profile_s", "first_epoch_s", "steps"}
+    assert result["backend"] == "torch" and result["steps"] == 2
+    assert result["batch_size"] == 4 and result["first_epoch_s"] > 0
+    assert len(result["layers"]) == 6
+    assert set(result["layers"][0]) == {"name", "fwd_s", "bwd_s", "output_bytes"}

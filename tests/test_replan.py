@@ -1,0 +1,50 @@
+import warnings
+
+import keras
+import pytest
+
+import keras_autovm
+from keras_autovm import mechanisms
+from conftest import data, small_cnn
+
+
+def fit_with_peak(monkeypatch, factor, budget_share):
+    """One epoch under a budget `budget_share` times the keep-all peak (after
+    headroom), with the GPU's measured peak `factor` times the prediction."""
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    keep = keras_autovm.plan(model, 8, budget=2**40, policy="keep_all", headroom=0)
+    budget = int(keep.result.peak_bytes * budget_share / 0.85)
+    callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True,
+                                   profile=None)
+    cls = type(mechanisms.get())
+    monkeypatch.setattr(cls, "reset_peak", lambda self: True)
+    monkeypatch.setattr(cls, "peak_memory", lambda self: int(
+        callback.plan.result.peak_bytes * factor))
+    x, y = data(32)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[callback],
+              verbose=0)
+    return callback, keep
+
+
+def test_peak_over_prediction_replans_with_the_measured_overhead(monkeypatch):
+    callback, keep = fit_with_peak(monkeypatch, factor=1.5, budget_share=1.2)
+    record = callback.report.epochs[0]
+    # The first plan kept everything; the measured peak did not fit.
+    assert record["predicted_peak_bytes"] == pytest.approx(keep.result.peak_bytes, rel=1e-3)
+    assert record["replanned"]
+    assert callback.report.stats["memory_scale"] == pytest.approx(1.5, rel=1e-3)
+    # The new plan leaves room for the overhead measured.
+    assert callback.plan.result.peak_bytes * 1.5 <= keep.result.peak_bytes * 1.2 + 1
+    assert callback.plan.counts()["keep"] < len(callback.plan.graph.tensors)
+
+
+def test_replan_for_an_unreachable_peak_keeps_the_plan(monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback, _ = fit_with_peak(monkeypatch, factor=100.0, budget_share=1.2)
+    assert any("kept its plan" in str(w.message) for w in caught)
+    assert not callback.report.epochs[0]["replanned"]
+    assert callback.report.stats["memory_scale"] == 1.0
+    assert callback.plan.counts()["keep"] == len(callback.plan.graph.tensors)
