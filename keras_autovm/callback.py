@@ -175,12 +175,16 @@ class AutoVM(keras.callbacks.Callback):
             # Plan now when `fit` says the batch size: a budget no plan meets
             # fails here, before anything is changed.
             self._runtime.plan_for(self._runtime.batch_size)
-        self._peak_resets = self._mechanism.reset_peak()
         self._patches = patches_lib.guard_fit(fit)
         self._applied = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._patches is None or self._applied:
+        if self._patches is None:
+            return
+        # Reset at the start, not at the end, of an epoch: a callback or user
+        # reading the peak at or after an epoch's end then sees that epoch's.
+        self._peak_resets = self._mechanism.reset_peak()
+        if self._applied:
             return
         self._applied = True
         message = patches_lib.apply(self._target, self._runtime, self._mechanism,
@@ -226,7 +230,6 @@ class AutoVM(keras.callbacks.Callback):
         if self._calibrate(measured, peak, plan):
             record["replanned"] = True
         self._times = []
-        self._peak_resets = self._mechanism.reset_peak()
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
         if self.verbose:

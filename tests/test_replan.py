@@ -48,3 +48,28 @@ def test_replan_for_an_unreachable_peak_keeps_the_plan(monkeypatch):
     assert not callback.report.epochs[0]["replanned"]
     assert callback.report.stats["memory_scale"] == 1.0
     assert callback.plan.counts()["keep"] == len(callback.plan.graph.tensors)
+
+
+def test_peak_is_reset_when_an_epoch_begins_not_when_it_ends(monkeypatch):
+    events = []
+    cls = type(mechanisms.get())
+    monkeypatch.setattr(cls, "reset_peak", lambda self: events.append("reset") or True)
+    monkeypatch.setattr(cls, "peak_memory", lambda self: 1)
+
+    class Reader(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            events.append("begin")
+
+        def on_epoch_end(self, epoch, logs=None):
+            events.append("end")
+
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    callback = keras_autovm.AutoVM(budget="1GiB", verbose=0, apply_without_gpu=True,
+                                   profile=None)
+    model.fit(*data(16), batch_size=8, epochs=2, verbose=0,
+              callbacks=[callback, Reader()])
+    # A callback after AutoVM reading the peak at an epoch's end (a timer, a
+    # logger) sees the whole epoch's peak: AutoVM resets it only as the next
+    # epoch begins.
+    assert events == ["reset", "begin", "end", "reset", "begin", "end"]
