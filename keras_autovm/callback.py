@@ -160,7 +160,8 @@ class AutoVM(keras.callbacks.Callback):
         batch_size = self.batch_size or internals.batch_size_of(fit.get("epoch_iterator"))
         self.measured, self._profile_source = profiling.for_fit(
             self.profile, self._target, batch_size, self._mechanism,
-            verbose=self.verbose and (self.params or {}).get("verbose", 1) in (1, "auto"))
+            verbose=self.verbose and (self.params or {}).get("verbose", 1) in (1, "auto"),
+            limit_bytes=int(self._budget_bytes * (1 - self.headroom)))
         cost = self.cost or calibration.measured_cost(self._mechanism)
         if self.measured is not None:
             cost = self.measured.cost(cost, self._mechanism.copy_link)

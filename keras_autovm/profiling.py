@@ -25,6 +25,7 @@ import keras
 
 from keras_autovm import calibration
 from keras_autovm import internals
+from keras_autovm.model_graph import build_graph
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.model_graph import layer_facts
@@ -170,7 +171,25 @@ def cache_path(device, backend, model_fingerprint, batch_size):
     return os.path.join(cache_dir(), f"{backend}-{key}-{model_fingerprint}-b{batch_size}.json")
 
 
-def obtain(model, batch_size, mechanism, verbose=0):
+def timing_batch(model, batch_size, limit_bytes):
+    """The batch size to time `model`'s layers at under `limit_bytes`.
+
+    The timing pass holds every layer output at once (Keras's graph runner
+    keeps them to the end), and each timed call its own backward on top, so
+    under a budget below the in-core need timing at the full batch runs out
+    of memory. Below the full batch, times are scaled linearly
+    (`Profile.apply`). `None`: no limit.
+    """
+    if limit_bytes is None:
+        return batch_size
+    graph = build_graph(model, 1)
+    per_sample = sum(t.nbytes for t in graph.tensors) or 1
+    room = limit_bytes - graph.persistent_bytes
+    # Half the room: the timed call's backward needs about as much again.
+    return int(max(1, min(batch_size, room // (2 * per_sample))))
+
+
+def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
     """The profile of `model` at `batch_size`: cached, or measured and cached.
 
     Returns:
@@ -190,7 +209,8 @@ def obtain(model, batch_size, mechanism, verbose=0):
             layers = tuple(dataclasses.replace(t, name=n)
                            for t, n in zip(cached.layers, names))
             return dataclasses.replace(cached, layers=layers), False
-    profile = measure(model, batch_size, mechanism, verbose=verbose)
+    timed = timing_batch(model, batch_size, limit_bytes)
+    profile = measure(model, timed, mechanism, verbose=verbose)
     profile.save(path)
     return profile, True
 
@@ -259,7 +279,7 @@ def check_setting(profile):
                      f"Profile or the path of its JSON. Received: profile={profile!r}")
 
 
-def for_fit(setting, model, batch_size, mechanism, verbose=0):
+def for_fit(setting, model, batch_size, mechanism, verbose=0, limit_bytes=None):
     """The profile a `fit` plans with, and where it came from.
 
     Args:
@@ -268,6 +288,8 @@ def for_fit(setting, model, batch_size, mechanism, verbose=0):
         model, batch_size, mechanism: what to measure; `batch_size` may be
             `None` when `fit` does not say it, and nothing is measured then.
         verbose: show a progress bar while measuring.
+        limit_bytes: the memory the plan must fit; the layers are timed at a
+            smaller batch when the full one would not fit (`timing_batch`).
 
     Returns:
         `(profile, source)`: `profile` is a `Profile` or `None`; `source`
@@ -284,7 +306,7 @@ def for_fit(setting, model, batch_size, mechanism, verbose=0):
                       stacklevel=3)
         return None, "off"
     try:
-        profile, measured = obtain(model, batch_size, mechanism, verbose)
+        profile, measured = obtain(model, batch_size, mechanism, verbose, limit_bytes)
     except Exception as error:  # noqa: BLE001 - a failed measurement must not stop training
         warnings.warn(f"AutoVM could not measure layer times, so it plans with "
                       f"roofline estimates: {type(error).__name__}: {error}",

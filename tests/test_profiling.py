@@ -194,3 +194,27 @@ def test_gpu_profile_recipe_writes_the_calibration_format(tmp_path):
     assert result["batch_size"] == 4 and result["first_epoch_s"] > 0
     assert len(result["layers"]) == 6
     assert set(result["layers"][0]) == {"name", "fwd_s", "bwd_s", "output_bytes"}
+
+
+def test_a_budget_below_the_in_core_need_times_at_a_smaller_batch(cache):
+    from keras_autovm.model_graph import build_graph
+    model = small_cnn()
+    one = build_graph(model, 1)
+    per_sample = sum(t.nbytes for t in one.tensors)
+    # Room for the timing pass of 3 samples, not of 8: timing at 8 would run
+    # out of memory before any plan is made (seen on an H100 under a cap).
+    limit = one.persistent_bytes + 2 * per_sample * 3
+    assert profiling.timing_batch(model, 8, limit) == 3
+    assert profiling.timing_batch(model, 8, None) == 8
+    assert profiling.timing_batch(model, 8, 2**40) == 8
+    assert profiling.timing_batch(model, 8, 1) == 1
+    callback = autovm(budget=int(limit / 0.85) + 1)
+    try:
+        train(small_cnn, [callback])
+    except keras_autovm.PlanError:
+        pass  # Too tight to plan is fine here: what was timed is the point.
+    assert callback.measured is not None and callback.measured.batch_size == 3
+    graph = profiling.Profile.apply(callback.measured, build_graph(model, 8))
+    times = {t.name: t.fwd_s for t in callback.measured.layers}
+    op = next(op for op in graph.ops if op.name in times)
+    assert op.fwd_time == pytest.approx(times[op.name] * 8 / 3)
