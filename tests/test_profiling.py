@@ -194,3 +194,20 @@ def test_gpu_profile_recipe_writes_the_calibration_format(tmp_path):
     assert result["batch_size"] == 4 and result["first_epoch_s"] > 0
     assert len(result["layers"]) == 6
     assert set(result["layers"][0]) == {"name", "fwd_s", "bwd_s", "output_bytes"}
+
+
+def test_identical_layer_calls_are_timed_once():
+    model = keras.Sequential([keras.Input((6,))] + [
+        keras.layers.Dense(6, name=f"d{i}") for i in range(4)] + [keras.layers.Dense(2)])
+    mechanism = mechanisms.get()
+    calls = []
+    original = mechanism.time_call
+
+    def counting(*args):
+        calls.append(args[0].name)
+        return original(*args)
+
+    mechanism.time_call = counting
+    profile = profiling.measure(model, 4, mechanism, repeats=1)
+    assert len(calls) == 2 and calls[0] == "d0"  # d0..d3 alike, then the head.
+    assert [t.fwd_s for t in profile.layers[:4]] == [profile.layers[0].fwd_s] * 4
