@@ -6,7 +6,7 @@ backend, architecture and batch size were measured before, else measured now
 (`measure`) and cached. Measuring runs the model's forward pass once on zeros
 of the input shapes, layer call by layer call; at each call it has the
 backend's mechanism time that call's forward and backward a few times
-(`Mechanism.time_call`). Nothing changes: the pass runs under a
+(`Mechanism.time_call`), once per distinct call (class, settings, shapes). Nothing changes: the pass runs under a
 `keras.StatelessScope`, and the timed calls through `stateless_call`.
 
 A layer's recompute cost is its forward time: a replay runs the same call
@@ -134,14 +134,17 @@ def fingerprint(model):
     activation's name), not `get_config()`, whose serialisation imports
     TensorFlow on every backend.
     """
-    parts = []
-    for layer, node in layer_calls(model):
-        parts.append([type(layer).__name__, _settings(layer),
-                      [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
-                      [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
-                      [(tuple(x.shape), str(x.dtype)) for x in node.outputs]])
-    text = json.dumps(parts, sort_keys=True)
+    text = json.dumps([_call_key(layer, node) for layer, node in layer_calls(model)])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _call_key(layer, node):
+    """What decides one layer call's time: class, settings, shapes."""
+    return json.dumps([type(layer).__name__, _settings(layer),
+                       [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
+                       [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
+                       [(tuple(x.shape), str(x.dtype)) for x in node.outputs]],
+                      sort_keys=True)
 
 
 def _settings(layer):
@@ -236,12 +239,17 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
     fn = internals.functional_of(model)
     inputs = [keras.ops.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype)
               for x in fn.inputs]
-    found = []
+    # Identical calls (the repeated blocks of a ResNet) are timed once.
+    keys = [_call_key(layer, node) for layer, node in layer_calls(model)]
+    found, timed = [], {}
 
     def around(operation, run, args, kwargs):
         outputs = run()
         name, _ = names[len(found)]
-        fwd_s, bwd_s = mechanism.time_call(operation, args, kwargs, repeats)
+        key = keys[len(found)]
+        if key not in timed:
+            timed[key] = mechanism.time_call(operation, args, kwargs, repeats)
+        fwd_s, bwd_s = timed[key]
         size = sum(layer_facts.nbytes(x, batch_size, name)
                    for x in keras.tree.flatten(outputs) if hasattr(x, "shape"))
         found.append(LayerTime(name, fwd_s, bwd_s, int(size)))

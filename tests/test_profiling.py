@@ -218,3 +218,41 @@ def test_a_budget_below_the_in_core_need_times_at_a_smaller_batch(cache):
     times = {t.name: t.fwd_s for t in callback.measured.layers}
     op = next(op for op in graph.ops if op.name in times)
     assert op.fwd_time == pytest.approx(times[op.name] * 8 / 3)
+
+
+def test_identical_layer_calls_are_timed_once():
+    model = keras.Sequential([keras.Input((6,))] + [
+        keras.layers.Dense(6, name=f"d{i}") for i in range(4)] + [keras.layers.Dense(2)])
+    mechanism = mechanisms.get()
+    calls = []
+    original = mechanism.time_call
+
+    def counting(*args):
+        calls.append(args[0].name)
+        return original(*args)
+
+    mechanism.time_call = counting
+    profile = profiling.measure(model, 4, mechanism, repeats=1)
+    assert len(calls) == 2 and calls[0] == "d0"  # d0..d3 alike, then the head.
+    assert [t.fwd_s for t in profile.layers[:4]] == [profile.layers[0].fwd_s] * 4
+
+
+def test_link_takes_the_probe_medians_and_the_backend_copies(monkeypatch):
+    from keras_autovm import calibration
+    from keras_autovm.mechanisms.base import Mechanism
+
+    probe = {"pinned_d2h": {"median": 50.0}, "managed_prefetch_h2d": {"median": 40.0},
+             "managed_first_eviction": 9.0, "nbytes": 1 << 26}
+    monkeypatch.setattr(calibration, "_link_probe", lambda: probe)
+
+    class Gpu(Mechanism):
+        def gpu_available(self):
+            return True
+
+        def measure_link(self):
+            return {"pinned_d2h": 52.0, "pinned_both_h2d": 30.0}
+
+    assert calibration.measure_link(Gpu()) == {
+        "pinned_d2h": 52.0, "managed_prefetch_h2d": 40.0,
+        "managed_first_eviction": 9.0, "pinned_both_h2d": 30.0}
+    assert calibration.measure_link(Mechanism()) == {}
