@@ -115,7 +115,7 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
     limit = int(budget_bytes * (1 - headroom))
     try:
-        return planner.make_plan(graph, limit, policy=policy,
+        plan = planner.make_plan(graph, limit, policy=policy,
                                  cost=mechanism.swap_cost(cost), allowed=allowed)
     except planner.PlanError as error:
         if not headroom:
@@ -123,10 +123,11 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
         # State the minimum in the user's terms: the budget they would pass.
         least = math.ceil(error.min_budget / (1 - headroom)) + 1
         raise planner.PlanError(
-            f"No plan fits budget={planner.format_bytes(budget_bytes)}: plans must "
-            f"fit {planner.format_bytes(limit)} after {headroom:.0%} headroom, "
-            f"and the least any {policy!r} plan needs is "
-            f"{planner.format_bytes(error.min_budget)}.", least) from None
+            f"No plan fits budget={planner.format_bytes(budget_bytes)}: with "
+            f"{headroom * 100:g}% headroom the limit is "
+            f"{planner.format_bytes(limit)}, and the least any {policy!r} plan "
+            f"needs is {planner.format_bytes(error.min_budget)}.", least) from None
+    return dataclasses.replace(plan, device_budget=budget_bytes, headroom=headroom)
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ import keras
 
 from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
+from keras_autovm import console as console_lib
 from keras_autovm import internals
 from keras_autovm import mechanisms
 from keras_autovm import patches as patches_lib
@@ -137,6 +138,8 @@ class AutoVM(keras.callbacks.Callback):
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._epochs, self._last = [], [], None
+        self._console = console_lib.Console(self.verbose)
+        self._console.fit_begins(self.params)
         self._mechanism = mechanisms.get()
         if not self._mechanism.gpu_available() and not self.apply_without_gpu:
             warnings.warn(
@@ -168,19 +171,23 @@ class AutoVM(keras.callbacks.Callback):
         self._applied = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._patches is None or self._applied:
+        if self._patches is None:
+            return
+        self._console.flush()  # The last epoch's line, after its bar.
+        if self._applied:
             return
         self._applied = True
         message = patches_lib.apply(self._target, self._runtime, self._mechanism,
                                     self._patches)
-        if message and self.verbose:
-            print(message)
+        if message:
+            self._console.print(message)
 
     def _announce(self, plan):
         if (plan.graph.batch_size, plan.policy) not in self._shown:
             self._shown.add((plan.graph.batch_size, plan.policy))
-            print(f"\nAutoVM plan for batch size {plan.graph.batch_size}:")
-            plan.summary()
+            lines = [f"AutoVM plan for batch size {plan.graph.batch_size}:"]
+            plan.summary(print_fn=lines.append)
+            self._console.print("\n".join(lines))
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._patches is not None:
@@ -192,29 +199,25 @@ class AutoVM(keras.callbacks.Callback):
         if logs and "loss" in logs:
             float(logs["loss"])  # Wait for the step so its time is real.
         self._times.append(time.perf_counter() - self._last)
+        self._console.batch_ended()
 
     def on_epoch_end(self, epoch, logs=None):
         if self._patches is None or self.plan is None:
             return
+        self._console.epoch_ended()
         # The first step of a plan compiles; time the ones after it.
         timed = self._times[1:1 + self.profile_steps]
         measured = sorted(timed)[len(timed) // 2] if timed else None
-        plan = self.plan
-        record = {"epoch": epoch, "policy": plan.policy, "steps": len(self._times),
-                  "step_time": measured, "predicted_step_time": plan.result.step_time,
-                  "peak_bytes": self._mechanism.peak_memory(),
-                  "predicted_peak_bytes": plan.result.peak_bytes,
-                  "planned_bytes_moved": len(self._times) * (
-                      plan.result.d2h_bytes + plan.result.h2d_bytes),
-                  "replanned": False}
+        record = report_lib.epoch_record(
+            epoch, (self.params or {}).get("epochs"), self.plan, len(self._times),
+            measured, self._mechanism.peak_memory())
         self._epochs.append(record)
-        if measured is not None and self._calibrate(measured, plan):
+        if measured is not None and self._calibrate(measured, self.plan):
             record["replanned"] = True
         self._times = []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
-        if self.verbose:
-            print(report_lib.epoch_line(record, self._budget_bytes))
+        self._console.print_later(report_lib.epoch_line(record))
 
     def _calibrate(self, measured, plan):
         """Scales compute times to the measurement; replans if the plan changes."""
@@ -238,6 +241,7 @@ class AutoVM(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._patches is None:
             return
+        self._console.flush()
         self._patches.close()
         self._patches = None
         if self.plan is None:
@@ -246,10 +250,13 @@ class AutoVM(keras.callbacks.Callback):
         moved = self._mechanism.moved_bytes()
         if moved is not None:
             stats.update({f"measured_bytes_{k}": v for k, v in moved.items()})
-        self.report = report_lib.Report(self.plan, self._epochs,
-                                        self._budget_bytes, stats)
+        self.report = report_lib.Report(
+            self.plan, self._epochs, self._budget_bytes, stats,
+            model_name=self._target.name, backend=keras.backend.backend())
         if self.verbose:
-            self.report.summary()
+            lines = []
+            self.report.summary(print_fn=lines.append)
+            self._console.print("\n".join(lines))
         if self.report_dir:
             self.report.save(self.report_dir)
 

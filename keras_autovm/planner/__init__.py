@@ -13,6 +13,7 @@ from .graph import TensorSpec
 from .plan import Plan
 from .plan import PlanError
 from .plan import format_bytes
+from .plan import memory_line
 from .choose import POLICIES
 from .choose import make_plan
 from .simulate import SimResult
@@ -28,6 +29,7 @@ __all__ = [
     "SimResult",
     "TensorSpec",
     "format_bytes",
+    "memory_line",
     "make_plan",
     "simulate",
 ]

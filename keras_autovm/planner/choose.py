@@ -40,15 +40,15 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     if not fitting:
         lowest = min(plans, key=lambda p: p.result.peak_bytes)
         raise PlanError(
-            f"No plan fits the budget of {format_bytes(budget)} with actions "
+            f"No plan fits the limit of {format_bytes(budget)} with actions "
             f"{tuple(allowed)}: the lowest predicted peak is "
             f"{format_bytes(lowest.result.peak_bytes)} ({lowest.policy}).",
             lowest.result.peak_bytes,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
     best.notes.append(
-        f"auto chose {best.policy}: the fastest of "
-        f"{', '.join(p.policy for p in fitting)} within the budget."
+        f"auto chose {best.policy}, the fastest of "
+        f"{', '.join(p.policy for p in fitting)} within the limit."
     )
     return best
 
