@@ -88,9 +88,9 @@ def layers(plan, title, path=None):
     fig, ax = plt.subplots(figsize=(max(6, min(16, 0.3 * len(tensors) + 3)), 4))
     ax.bar(range(len(tensors)), [t.nbytes / size for t in tensors],
            color=[ACTION_COLORS[a] for a in actions])
-    for action, color in ACTION_COLORS.items():
-        count = actions.count(action)
-        ax.bar([], [], color=color, label=f"{action} ({count})")
+    from matplotlib.patches import Patch
+    legend = [Patch(color=color, label=f"{action} ({actions.count(action)})")
+              for action, color in ACTION_COLORS.items()]
     if len(tensors) <= 60:  # Beyond that the names are unreadable.
         ax.set_xticks(range(len(tensors)))
         ax.set_xticklabels([t.name for t in tensors], rotation=90,
@@ -98,7 +98,8 @@ def layers(plan, title, path=None):
     ax.set_xlabel("layer output, in forward order")
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize="small")
     return _finish(plt, fig, path)
 
 
