@@ -23,6 +23,7 @@ from keras_autovm import mechanisms
 from keras_autovm import patches as patches_lib
 from keras_autovm import planner
 from keras_autovm import report as report_lib
+from keras_autovm import summaries
 from keras_autovm.model_graph import functional_of
 from keras_autovm.runtime import Runtime
 
@@ -83,6 +84,11 @@ class AutoVM(keras.callbacks.Callback):
             from each batch, or, where the traced batch has no static size
             (TensorFlow's input pipelines), from the data `fit` was given.
             Defaults to `None`.
+        log_dir: a directory to write TensorBoard summaries into, under
+            `<log_dir>/autovm`: per epoch the predicted and measured peak,
+            step times, host traffic and replans, and the plan as text.
+            `None` uses the `log_dir` of a `keras.callbacks.TensorBoard`
+            in the same `fit`, if any. Defaults to `None`.
 
     Example:
 
@@ -97,7 +103,7 @@ class AutoVM(keras.callbacks.Callback):
                  report_dir: str | None = None, apply_without_gpu: bool = False,
                  cost: planner.CostModel | None = None,
                  headroom: float = budget_lib.DEFAULT_HEADROOM,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, log_dir: str | None = None):
         super().__init__()
         budget_lib.check_headroom(headroom)
         _check_budget(budget)
@@ -123,6 +129,7 @@ class AutoVM(keras.callbacks.Callback):
         self.report_dir = report_dir
         self.apply_without_gpu = apply_without_gpu
         self.cost = cost
+        self.log_dir = log_dir
         self.report = None
         self._runtime = None
 
@@ -138,6 +145,7 @@ class AutoVM(keras.callbacks.Callback):
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._epochs, self._last = [], [], None
+        self._summaries = None
         self._console = console_lib.Console(self.verbose)
         self._console.fit_begins(self.params)
         self._mechanism = mechanisms.get()
@@ -169,6 +177,7 @@ class AutoVM(keras.callbacks.Callback):
         self._mechanism.reset_peak()
         self._patches = patches_lib.guard_fit(fit)
         self._applied = False
+        self._summaries = _summary_writer(self.log_dir, fit.get("callbacks"))
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._patches is None:
@@ -208,16 +217,19 @@ class AutoVM(keras.callbacks.Callback):
         # The first step of a plan compiles; time the ones after it.
         timed = self._times[1:1 + self.profile_steps]
         measured = sorted(timed)[len(timed) // 2] if timed else None
+        plan = self.plan
         record = report_lib.epoch_record(
-            epoch, (self.params or {}).get("epochs"), self.plan, len(self._times),
+            epoch, (self.params or {}).get("epochs"), plan, len(self._times),
             measured, self._mechanism.peak_memory())
         self._epochs.append(record)
-        if measured is not None and self._calibrate(measured, self.plan):
+        if measured is not None and self._calibrate(measured, plan):
             record["replanned"] = True
         self._times = []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
         self._console.print_later(report_lib.epoch_line(record))
+        if self._summaries:
+            self._summaries.epoch(epoch, record, plan, self._mechanism.moved_bytes())
 
     def _calibrate(self, measured, plan):
         """Scales compute times to the measurement; replans if the plan changes."""
@@ -259,6 +271,15 @@ class AutoVM(keras.callbacks.Callback):
             self._console.print("\n".join(lines))
         if self.report_dir:
             self.report.save(self.report_dir)
+
+
+def _summary_writer(log_dir, callbacks):
+    """AutoVM's TensorBoard summaries: into `log_dir`, or beside those of a
+    `keras.callbacks.TensorBoard` in the same fit; `None` for neither."""
+    if log_dir is None:
+        log_dir = next((cb.log_dir for cb in getattr(callbacks, "callbacks", ())
+                        if isinstance(cb, keras.callbacks.TensorBoard)), None)
+    return None if log_dir is None else summaries.EpochSummaries(log_dir)
 
 
 def _check_budget(budget):

@@ -143,7 +143,8 @@ def test_no_tensorflow_import_on_jax_and_torch():
             "m = small_cnn(); m.compile('adam', 'mse')\n"
             "keras_autovm.plan(m, 8, budget='1GiB').summary(print_fn=lambda s: None)\n"
             "cb = keras_autovm.AutoVM(budget='1GiB', verbose=0, apply_without_gpu=True,"
-            " policy='sqrt_recompute', report_dir=tempfile.mkdtemp())\n"
+            " policy='sqrt_recompute', report_dir=tempfile.mkdtemp(),"
+            " log_dir=tempfile.mkdtemp())\n"
             "m.fit(*data(16), batch_size=8, epochs=1, verbose=0, callbacks=[cb])\n"
             "print('TF', 'tensorflow' in sys.modules)\n")
     env = dict(os.environ, KERAS_BACKEND=BACKEND,
