@@ -11,6 +11,8 @@ import math
 import numbers
 import re
 
+import keras
+
 from keras_autovm import planner
 from keras_autovm.model_graph import build_graph
 
@@ -113,6 +115,12 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):
             budget (not limit) that would do.
     """
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
+    lacking = [a for a in planner.REQUIRES.get(policy, ()) if a not in allowed]
+    if lacking:
+        raise NotImplementedError(
+            f"Policy {policy!r} needs the {lacking[0]!r} action, which AutoVM "
+            f"cannot carry out on the {keras.backend.backend()} backend (it can "
+            f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     limit = int(budget_bytes * (1 - headroom))
     try:
         plan = planner.make_plan(graph, limit, policy=policy,

@@ -15,6 +15,7 @@ from .plan import PlanError
 from .plan import format_bytes
 from .plan import memory_line
 from .choose import POLICIES
+from .choose import REQUIRES
 from .choose import make_plan
 from .simulate import SimResult
 from .simulate import simulate
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "POLICIES",
+    "REQUIRES",
     "SimResult",
     "TensorSpec",
     "format_bytes",
