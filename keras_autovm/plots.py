@@ -2,8 +2,7 @@
 
 matplotlib is imported when a figure is drawn, not with the package. Given
 a path, a figure is saved as a PNG (with the Agg backend, no display
-needed) and closed; without one it is returned, which a notebook shows
-inline.
+needed); either way it is returned, which a notebook shows inline.
 """
 
 _BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
@@ -127,5 +126,7 @@ def _finish(plt, fig, path):
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=100)
-        plt.close(fig)
+    # Closed for pyplot, so that a notebook shows the returned figure once
+    # (not again at the cell's end) and no figure piles up.
+    plt.close(fig)
     return fig
