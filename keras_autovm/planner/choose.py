@@ -46,10 +46,13 @@ def auto(graph, cost, budget, allowed=ACTIONS):
             lowest.result.peak_bytes,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
-    best.notes.append(
-        f"auto chose {best.policy}, the fastest of "
-        f"{', '.join(p.policy for p in fitting)} within the limit."
-    )
+    if len(fitting) == 1:
+        best.notes.append(f"auto chose {best.policy}, the only candidate "
+                          f"within the limit.")
+    else:
+        best.notes.append(
+            f"auto chose {best.policy}, the fastest of "
+            f"{', '.join(p.policy for p in fitting)} within the limit.")
     return best
 
 
