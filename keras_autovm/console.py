@@ -4,8 +4,9 @@ Keras's progress bar (`fit(verbose=1)`) redraws one line in place and ends
 it only when the epoch ends, in its `on_epoch_end`, which runs after every
 user callback's. So a line printed mid-epoch would land on the bar's line,
 and a line printed in `AutoVM.on_epoch_end` before the bar's last update.
-The `Console` starts mid-epoch lines on a line of their own, and holds the
-end-of-epoch lines until the bar has finished its line (the next
+The `Console` starts mid-epoch lines on a line of their own, and holds what
+is printed at an epoch's end (the epoch line, a plan remade on
+recalibration) until the bar has finished its line (the next
 `on_epoch_begin`, or `on_train_end`).
 """
 
@@ -28,12 +29,13 @@ class Console:
         self.verbose = verbose
         self._bar_verbose = 0
         self._bar_open = False
+        self._holding = False
         self._held = []
 
     def fit_begins(self, params):
         """Notes how `fit` reports progress (its `verbose`)."""
         self._bar_verbose = (params or {}).get("verbose", 0)
-        self._bar_open = False
+        self._bar_open = self._holding = False
         self._held = []
 
     def batch_ended(self):
@@ -41,12 +43,17 @@ class Console:
         self._bar_open = self._bar_verbose == 1
 
     def epoch_ended(self):
-        """Called in `on_epoch_end`: the bar ends its line after us."""
+        """Called in `on_epoch_end`: the bar ends its line after us, so
+        lines wait for `flush`."""
         self._bar_open = False
+        self._holding = True
 
     def print(self, text):
         """Prints `text` now, on a line of its own."""
         if not self.verbose:
+            return
+        if self._holding:
+            self._held.append(text)
             return
         if self._bar_open:
             text = "\n" + text
@@ -60,7 +67,7 @@ class Console:
 
     def flush(self):
         """Prints the lines held back (the bar's line has ended)."""
-        held, self._held = self._held, []
+        held, self._held, self._holding = self._held, [], False
         for text in held:
             _write(text)
 

@@ -79,3 +79,22 @@ def test_autovm_lines_stay_off_the_progress_bar():
     last = next(i for i, line in enumerate(lines)
                 if line.startswith("AutoVM epoch 2/2"))
     assert lines.index("AutoVM report") > last
+
+
+def test_console_holds_lines_printed_at_an_epoch_end(capsys):
+    from keras_autovm.console import Console
+
+    console = Console(verbose=1)
+    console.fit_begins({"verbose": 1})
+    console.batch_ended()  # The bar has drawn part of a line.
+    console.print("mid-epoch plan")
+    assert capsys.readouterr().out == "\nmid-epoch plan\n"
+    console.batch_ended()
+    console.epoch_ended()
+    console.print("plan remade on recalibration")  # The bar's line is open.
+    console.print_later("epoch line")
+    assert capsys.readouterr().out == ""
+    console.flush()  # The bar has finished its line.
+    assert capsys.readouterr().out == "plan remade on recalibration\nepoch line\n"
+    console.print("next")
+    assert capsys.readouterr().out == "next\n"

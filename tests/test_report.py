@@ -101,3 +101,15 @@ def test_small_cnn_recipe_states_budgets_plan_accepts(capsys):
         keras_autovm.plan(model, 64, budget=keep - 2**10, policy="keep_all")
     assert keras_autovm.plan(model, 64, budget=least).fits
     assert least < budget < keep
+
+
+def test_timeline_shows_a_measured_peak_beside_the_prediction(tmp_path):
+    report = _fit(tmp_path, verbose=0).report
+    assert report.measured_peak() is None  # No GPU here: nothing measured.
+    # As on a GPU, where the backend reports its peak.
+    report.epochs[-1]["peak_bytes"] = 7 * 2**20
+    ax = report.plot().axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "measured peak" in labels
+    line = next(l for l in ax.get_lines() if l.get_label() == "measured peak")
+    assert line.get_ydata()[0] == 7.0  # MiB
