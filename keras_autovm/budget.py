@@ -11,6 +11,8 @@ import math
 import numbers
 import re
 
+import keras
+
 from keras_autovm import planner
 from keras_autovm.model_graph import build_graph
 
@@ -119,9 +121,15 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             budget (not limit) that would do.
     """
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
+    lacking = [a for a in planner.REQUIRES.get(policy, ()) if a not in allowed]
+    if lacking:
+        raise NotImplementedError(
+            f"Policy {policy!r} needs the {lacking[0]!r} action, which AutoVM "
+            f"cannot carry out on the {keras.backend.backend()} backend (it can "
+            f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     limit = int(budget_bytes * (1 - headroom) / memory_scale)
     try:
-        return planner.make_plan(graph, limit, policy=policy,
+        plan = planner.make_plan(graph, limit, policy=policy,
                                  cost=mechanism.swap_cost(cost), allowed=allowed)
     except planner.PlanError as error:
         if not headroom and memory_scale == 1.0:
@@ -129,12 +137,14 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
         # State the minimum in the user's terms: the budget they would pass.
         least = math.ceil(error.min_budget * memory_scale / (1 - headroom)) + 1
         raise planner.PlanError(
-            f"No plan fits budget={planner.format_bytes(budget_bytes)}: plans must "
-            f"fit {planner.format_bytes(limit)} after {headroom:.0%} headroom"
+            f"No plan fits budget={planner.format_bytes(budget_bytes)}: with "
+            f"{headroom * 100:g}% headroom"
             + (f" and a measured memory overhead of {memory_scale:.2f}x"
-               if memory_scale != 1.0 else "") + ", "
-            f"and the least any {policy!r} plan needs is "
-            f"{planner.format_bytes(error.min_budget)}.", least) from None
+               if memory_scale != 1.0 else "")
+            + f" the limit is {planner.format_bytes(limit)}, and the least any "
+            f"{policy!r} plan needs is {planner.format_bytes(error.min_budget)}.",
+            least) from None
+    return dataclasses.replace(plan, device_budget=budget_bytes, headroom=headroom)
 
 
 @dataclasses.dataclass

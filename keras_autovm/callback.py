@@ -17,12 +17,14 @@ import keras
 
 from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
+from keras_autovm import console as console_lib
 from keras_autovm import internals
 from keras_autovm import mechanisms
 from keras_autovm import patches as patches_lib
 from keras_autovm import planner
 from keras_autovm import profiling
 from keras_autovm import report as report_lib
+from keras_autovm import summaries
 from keras_autovm.model_graph import functional_of
 from keras_autovm.runtime import Runtime
 
@@ -85,6 +87,11 @@ class AutoVM(keras.callbacks.Callback):
             from each batch, or, where the traced batch has no static size
             (TensorFlow's input pipelines), from the data `fit` was given.
             Defaults to `None`.
+        log_dir: a directory to write TensorBoard summaries into, under
+            `<log_dir>/autovm`: per epoch the predicted and measured peak,
+            step times, host traffic and replans, and the plan as text.
+            `None` uses the `log_dir` of a `keras.callbacks.TensorBoard`
+            in the same `fit`, if any. Defaults to `None`.
 
     Example:
 
@@ -99,7 +106,8 @@ class AutoVM(keras.callbacks.Callback):
                  report_dir: str | None = None, apply_without_gpu: bool = False,
                  cost: planner.CostModel | None = None,
                  headroom: float = budget_lib.DEFAULT_HEADROOM,
-                 batch_size: int | None = None, profile="auto"):
+                 batch_size: int | None = None, profile="auto",
+                 log_dir: str | None = None):
         super().__init__()
         budget_lib.check_headroom(headroom)
         _check_budget(budget)
@@ -127,6 +135,7 @@ class AutoVM(keras.callbacks.Callback):
         self.report_dir = report_dir
         self.apply_without_gpu = apply_without_gpu
         self.cost = cost
+        self.log_dir = log_dir
         self.report = None
         self.measured = None  # The `Profile` planned with, once known.
         self._runtime = None
@@ -143,6 +152,9 @@ class AutoVM(keras.callbacks.Callback):
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._epochs, self._last = [], [], None
+        self._summaries = None
+        self._console = console_lib.Console(self.verbose)
+        self._console.fit_begins(self.params)
         self._mechanism = mechanisms.get()
         if not self._mechanism.gpu_available() and not self.apply_without_gpu:
             warnings.warn(
@@ -178,10 +190,12 @@ class AutoVM(keras.callbacks.Callback):
             self._runtime.plan_for(self._runtime.batch_size)
         self._patches = patches_lib.guard_fit(fit)
         self._applied = False
+        self._summaries = _summary_writer(self.log_dir, fit.get("callbacks"))
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._patches is None:
             return
+        self._console.flush()  # The last epoch's line, after its bar.
         # Reset at the start, not at the end, of an epoch: a callback or user
         # reading the peak at or after an epoch's end then sees that epoch's.
         self._peak_resets = self._mechanism.reset_peak()
@@ -190,14 +204,15 @@ class AutoVM(keras.callbacks.Callback):
         self._applied = True
         message = patches_lib.apply(self._target, self._runtime, self._mechanism,
                                     self._patches)
-        if message and self.verbose:
-            print(message)
+        if message:
+            self._console.print(message)
 
     def _announce(self, plan):
         if (plan.graph.batch_size, plan.policy) not in self._shown:
             self._shown.add((plan.graph.batch_size, plan.policy))
-            print(f"\nAutoVM plan for batch size {plan.graph.batch_size}:")
-            plan.summary()
+            lines = [f"AutoVM plan for batch size {plan.graph.batch_size}:"]
+            plan.summary(print_fn=lines.append)
+            self._console.print("\n".join(lines))
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._patches is not None:
@@ -209,21 +224,19 @@ class AutoVM(keras.callbacks.Callback):
         if logs and "loss" in logs:
             float(logs["loss"])  # Wait for the step so its time is real.
         self._times.append(time.perf_counter() - self._last)
+        self._console.batch_ended()
 
     def on_epoch_end(self, epoch, logs=None):
         if self._patches is None or self.plan is None:
             return
+        self._console.epoch_ended()
         # The first step of a plan compiles; time the ones after it.
         timed = self._times[1:1 + self.profile_steps]
         measured = sorted(timed)[len(timed) // 2] if timed else None
         plan = self.plan
-        record = {"epoch": epoch, "policy": plan.policy, "steps": len(self._times),
-                  "step_time": measured, "predicted_step_time": plan.result.step_time,
-                  "peak_bytes": self._mechanism.peak_memory(),
-                  "predicted_peak_bytes": plan.result.peak_bytes,
-                  "planned_bytes_moved": len(self._times) * (
-                      plan.result.d2h_bytes + plan.result.h2d_bytes),
-                  "replanned": False}
+        record = report_lib.epoch_record(
+            epoch, (self.params or {}).get("epochs"), plan, len(self._times),
+            measured, self._mechanism.peak_memory())
         self._epochs.append(record)
         # A peak counts only if it was reset at the start (JAX's is the
         # process's running peak, profiling included).
@@ -233,8 +246,9 @@ class AutoVM(keras.callbacks.Callback):
         self._times = []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
-        if self.verbose:
-            print(report_lib.epoch_line(record, self._budget_bytes))
+        self._console.print_later(report_lib.epoch_line(record))
+        if self._summaries:
+            self._summaries.epoch(epoch, record, plan, self._mechanism.moved_bytes())
 
     def _calibrate(self, measured, peak, plan):
         """Scales compute times to the measured step time, and learns how far
@@ -267,6 +281,7 @@ class AutoVM(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._patches is None:
             return
+        self._console.flush()
         self._patches.close()
         self._patches = None
         if self.plan is None:
@@ -279,12 +294,24 @@ class AutoVM(keras.callbacks.Callback):
         moved = self._mechanism.moved_bytes()
         if moved is not None:
             stats.update({f"measured_bytes_{k}": v for k, v in moved.items()})
-        self.report = report_lib.Report(self.plan, self._epochs,
-                                        self._budget_bytes, stats)
+        self.report = report_lib.Report(
+            self.plan, self._epochs, self._budget_bytes, stats,
+            model_name=self._target.name, backend=keras.backend.backend())
         if self.verbose:
-            self.report.summary()
+            lines = []
+            self.report.summary(print_fn=lines.append)
+            self._console.print("\n".join(lines))
         if self.report_dir:
             self.report.save(self.report_dir)
+
+
+def _summary_writer(log_dir, callbacks):
+    """AutoVM's TensorBoard summaries: into `log_dir`, or beside those of a
+    `keras.callbacks.TensorBoard` in the same fit; `None` for neither."""
+    if log_dir is None:
+        log_dir = next((cb.log_dir for cb in getattr(callbacks, "callbacks", ())
+                        if isinstance(cb, keras.callbacks.TensorBoard)), None)
+    return None if log_dir is None else summaries.EpochSummaries(log_dir)
 
 
 def _check_budget(budget):

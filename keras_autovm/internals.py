@@ -184,10 +184,30 @@ def batch_size_of(epoch_iterator):
     """The batch size the data adapter of an `EpochIterator` yields.
 
     `data_adapter` is an attribute of Keras's `EpochIterator`; its
-    `batch_size` is `None` for datasets of unknown batch size. Keras 3.15.1.
+    `batch_size` is `None` for datasets of unknown batch size (a `tf.data`
+    dataset whose last batch may be partial, a generator). Then the first
+    batch says: a generator's adapter has peeked it (`_first_batches`), a
+    `tf.data` dataset's adapter holds the dataset (`_dataset`), whose first
+    element is read from a fresh iterator. Keras 3.15.1.
     """
     adapter = getattr(epoch_iterator, "data_adapter", None)
-    return getattr(adapter, "batch_size", None)
+    size = getattr(adapter, "batch_size", None)
+    if size is not None:
+        return size
+    first = getattr(adapter, "_first_batches", None)
+    if first:
+        return _leading_size(first[0])
+    dataset = getattr(adapter, "_dataset", None)
+    if dataset is not None and hasattr(dataset, "take"):
+        for element in dataset.take(1):
+            return _leading_size(element)
+    return None
+
+
+def _leading_size(batch):
+    leaves = keras.tree.flatten(batch)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    return int(shape[0]) if shape and shape[0] is not None else None
 
 
 # --------------------------------------------------------------- TensorFlow

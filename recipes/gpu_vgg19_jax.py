@@ -65,7 +65,8 @@ def run_variant(name, batch, steps, budget):
     if autovm is not None and autovm.report is not None:
         report = autovm.report.to_dict()
         out["plan"] = {k: report["plan"][k] for k in report["plan"]
-                       if k in ("policy", "counts", "result", "budget")}
+                       if k in ("policy", "counts", "result", "budget_bytes",
+                                "headroom", "limit_bytes")}
         out["epochs"] = report["epochs"]
         out["stats"] = report["stats"]
     return out

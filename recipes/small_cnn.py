@@ -8,9 +8,9 @@ to manage, so the plan is applied to the CPU run for demonstration
 
     python recipes/small_cnn.py [--budget 60MiB] [--epochs 3]
 
-By default the budget is halfway between what the model needs with every
-activation kept and the least AutoVM can reach on this backend, so AutoVM
-must save memory to meet it.
+By default the budget is halfway between the budget the model needs with
+every activation kept and the least budget AutoVM can plan on this backend,
+so AutoVM must save memory to meet it.
 """
 
 import argparse
@@ -48,17 +48,27 @@ def make_data(n, size=64, classes=4, seed=0):
     return x, y
 
 
-def default_budget(model, batch_size):
-    """Halfway between keeping everything and the least-memory plan."""
-    fmt = keras_autovm.planner.format_bytes
-    keep = keras_autovm.plan(model, batch_size, budget=2**40, policy="keep_all")
+def least_budget(model, batch_size, policy="auto"):
+    """The smallest budget `policy` fits, as `plan()` states it: a budget,
+    so headroom included, that `AutoVM(budget=...)` accepts."""
     try:
-        keras_autovm.plan(model, batch_size, budget=1)
+        keras_autovm.plan(model, batch_size, budget=1, policy=policy)
     except keras_autovm.PlanError as error:
-        least = error.min_budget
-    budget = (keep.result.peak_bytes + least) // 2
-    print(f"Keeping every activation needs {fmt(keep.result.peak_bytes)}, the "
-          f"least AutoVM can plan is {fmt(least)}: budget {fmt(budget)}.")
+        return error.min_budget
+    raise AssertionError("A one-byte budget cannot fit.")
+
+
+def default_budget(model, batch_size):
+    """Halfway between the budget keeping everything needs and the least
+    budget any plan fits, both with the default headroom."""
+    fmt = keras_autovm.planner.format_bytes
+    keep = least_budget(model, batch_size, policy="keep_all")
+    least = least_budget(model, batch_size)
+    budget = (keep + least) // 2
+    print(f"Keeping every activation needs a budget of {fmt(keep)}, the least "
+          f"AutoVM can plan needs {fmt(least)} (both with "
+          f"{keras_autovm.budget.DEFAULT_HEADROOM * 100:g}% headroom): "
+          f"budget {fmt(budget)}.")
     return budget
 
 

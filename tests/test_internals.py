@@ -111,6 +111,36 @@ def test_running_fit_finds_the_iterator_and_callbacks():
     assert internals.running_fit() == {}
 
 
+def _generator():
+    x, y = data(32)
+    while True:
+        for i in range(0, 32, 8):
+            yield x[i:i + 8], y[i:i + 8]
+
+
+def _tf_dataset():
+    import tensorflow as tf
+    # `.batch(8)` may leave a partial batch: no static batch size.
+    return tf.data.Dataset.from_tensor_slices(data(30)).batch(8)
+
+
+@pytest.mark.parametrize("make_data", [
+    _generator,
+    pytest.param(_tf_dataset, marks=pytest.mark.skipif(
+        BACKEND != "tensorflow", reason="tf.data on its own backend")),
+])
+def test_batch_size_of_data_without_a_static_size(make_data):
+    import keras_autovm
+
+    model = small_cnn()
+    model.compile("sgd", "mse")
+    callback = keras_autovm.AutoVM(budget="64MiB", apply_without_gpu=True,
+                                   verbose=0)
+    model.fit(make_data(), steps_per_epoch=3, epochs=1, verbose=0,
+              callbacks=[callback])
+    assert callback.plan.graph.batch_size == 8
+
+
 def test_ends_epoch():
     class OutOfRangeError(Exception):  # tf.errors.OutOfRangeError by name.
         pass
@@ -143,7 +173,8 @@ def test_no_tensorflow_import_on_jax_and_torch():
             "m = small_cnn(); m.compile('adam', 'mse')\n"
             "keras_autovm.plan(m, 8, budget='1GiB').summary(print_fn=lambda s: None)\n"
             "cb = keras_autovm.AutoVM(budget='1GiB', verbose=0, apply_without_gpu=True,"
-            " policy='sqrt_recompute', report_dir=tempfile.mkdtemp())\n"
+            " policy='sqrt_recompute', report_dir=tempfile.mkdtemp(),"
+            " log_dir=tempfile.mkdtemp())\n"
             "m.fit(*data(16), batch_size=8, epochs=1, verbose=0, callbacks=[cb])\n"
             "print('TF', 'tensorflow' in sys.modules)\n")
     env = dict(os.environ, KERAS_BACKEND=BACKEND,

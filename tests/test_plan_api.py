@@ -98,3 +98,18 @@ def test_measured_cost_uses_the_probe_only_with_a_gpu(monkeypatch):
         mechanism = keras_autovm.mechanisms.get()
         monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
         assert calibration.measured_cost(mechanism).d2h_bytes_per_s == 8e9
+
+
+def test_an_action_the_backend_lacks_names_the_backend():
+    import keras
+
+    from keras_autovm import budget, mechanisms
+
+    class NoSwap(type(mechanisms.get())):
+        def actions(self):
+            return ("keep", "recompute")
+
+    graph = budget.graph_for(small_cnn(), 8, mechanisms.get())
+    with pytest.raises(NotImplementedError,
+                       match=f"'swap' action.*on the {keras.backend.backend()} backend"):
+        budget.plan_within(graph, 2**30, 0.15, "offload_all", None, NoSwap())

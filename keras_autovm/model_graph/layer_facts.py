@@ -107,8 +107,11 @@ _INPUT_ACTIVATIONS = {
     "tanh_shrink", "soft_shrink", "hard_shrink",
 }
 
-# Optimizer slots per trainable weight when the optimizer is not built yet
-# (an estimate: a built optimizer's variables are counted exactly).
+# Optimizer slots per trainable weight. Counted the same way whether or not
+# the optimizer is built: a budget stated before training (before `fit`
+# builds the optimizer) must still be met during it. Exact for the per-weight
+# slots of Keras's optimizers; their few scalars (iterations, learning rate)
+# are left out.
 _SLOTS = {
     "Adam": 2, "AdamW": 2, "Nadam": 2, "Adamax": 2, "Lamb": 2, "Ftrl": 2,
     "Adadelta": 2, "ScheduleFreeAdamW": 2, "Lion": 1, "Adagrad": 1,
@@ -159,7 +162,10 @@ def backward_reads(layer, backend=None):
 
 
 def optimizer_state_bytes(optimizer, trainable_variables):
-    """Bytes of optimizer state: exact if built, else estimated by type.
+    """Bytes of optimizer state, estimated by the optimizer's type.
+
+    The same figure before and after the optimizer is built, so that a plan
+    made before training holds during it.
 
     Args:
         optimizer: a Keras optimizer instance, a name, or `None` (counted as
@@ -171,8 +177,6 @@ def optimizer_state_bytes(optimizer, trainable_variables):
     """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        return sum(variable_bytes(v) for v in unique(optimizer.variables))
     weights = sum(variable_bytes(v) for v in trainable_variables)
     return int(_slots(optimizer) * weights)
 

@@ -13,7 +13,9 @@ from .graph import TensorSpec
 from .plan import Plan
 from .plan import PlanError
 from .plan import format_bytes
+from .plan import memory_line
 from .choose import POLICIES
+from .choose import REQUIRES
 from .choose import make_plan
 from .simulate import SimResult
 from .simulate import simulate
@@ -25,9 +27,11 @@ __all__ = [
     "Plan",
     "PlanError",
     "POLICIES",
+    "REQUIRES",
     "SimResult",
     "TensorSpec",
     "format_bytes",
+    "memory_line",
     "make_plan",
     "simulate",
 ]

@@ -41,16 +41,19 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     if not fitting:
         lowest = min(plans, key=lambda p: p.result.peak_bytes)
         raise PlanError(
-            f"No plan fits the budget of {format_bytes(budget)} with actions "
+            f"No plan fits the limit of {format_bytes(budget)} with actions "
             f"{tuple(allowed)}: the lowest predicted peak is "
             f"{format_bytes(lowest.result.peak_bytes)} ({lowest.policy}).",
             lowest.result.peak_bytes,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
-    best.notes.append(
-        f"auto chose {best.policy}: the fastest of "
-        f"{', '.join(p.policy for p in fitting)} within the budget."
-    )
+    if len(fitting) == 1:
+        best.notes.append(f"auto chose {best.policy}, the only candidate "
+                          f"within the limit.")
+    else:
+        best.notes.append(
+            f"auto chose {best.policy}, the fastest of "
+            f"{', '.join(p.policy for p in fitting)} within the limit.")
     return best
 
 

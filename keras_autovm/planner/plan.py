@@ -55,13 +55,19 @@ class Plan:
         prefetch: dict swapped tensor name -> op name whose backward start
             triggers the copy back to the device.
         policy: name of the policy that made the plan.
-        budget: device memory budget in bytes, or `None` for no limit.
+        budget: the limit in bytes the predicted peak had to fit, or `None`
+            for no limit. Planned through `keras_autovm.plan()` or `AutoVM`,
+            it is the user's budget less the headroom.
         cost: the `CostModel` used.
         result: the `SimResult` of simulating the plan.
         notes: list of strings: what is not managed and why.
         segments: tuple of tuples of op names, in forward order: chains the
             backward replays as a whole (recompute policies). Defaults to
             `()`.
+        device_budget: the budget the user gave, in bytes, when the limit
+            was derived from it; else `None`. Defaults to `None`.
+        headroom: the share of `device_budget` kept free, when given.
+            Defaults to `None`.
     """
 
     graph: object
@@ -73,11 +79,21 @@ class Plan:
     result: object
     notes: list = dataclasses.field(default_factory=list)
     segments: tuple = ()
+    device_budget: int = None
+    headroom: float = None
 
     @property
     def fits(self):
-        """Whether the predicted peak is within the budget."""
+        """Whether the predicted peak is within the limit."""
         return self.budget is None or self.result.peak_bytes <= self.budget
+
+    @property
+    def calibrated(self):
+        """Whether the predicted times rest on measurements of this run:
+        compute times matched to a measured step, or measured op times.
+        Until then they come from the default device figures."""
+        return self.cost.time_scale != 1.0 or any(
+            op.fwd_time is not None for op in self.graph.ops)
 
     def counts(self):
         """Returns a dict action -> number of tensors given that action."""
@@ -112,17 +128,19 @@ class Plan:
 
     def _footer(self):
         r = self.result
-        budget = "none" if self.budget is None else format_bytes(self.budget)
         counts = ", ".join(f"{n} {a}" for a, n in self.counts().items())
+        times = (f"Predicted step time: {_format_time(r.step_time)} "
+                 f"(recompute {_format_time(r.recompute_time)}, "
+                 f"stall {_format_time(r.stall_time)})")
+        if not self.calibrated:
+            times += "; uncalibrated: default device figures"
         lines = [
             f"Policy: {self.policy} ({counts})",
-            f"Budget: {budget}",
+            f"Memory: {memory_line(self.device_budget, self.headroom, self.budget)}",
             f"Predicted peak: {format_bytes(r.peak_bytes)}"
-            + ("" if self.fits else "  (over budget)"),
-            f"Predicted step time: {_format_time(r.step_time)} "
-            f"(recompute {_format_time(r.recompute_time)}, "
-            f"stall {_format_time(r.stall_time)})",
-            f"Bytes moved: {format_bytes(r.d2h_bytes)} to host, "
+            + ("" if self.fits else "  (over the limit)"),
+            times,
+            f"Host traffic per step: {format_bytes(r.d2h_bytes)} to host, "
             f"{format_bytes(r.h2d_bytes)} to device",
             f"Costs: {self.cost_source()}",
         ]
@@ -146,8 +164,11 @@ class Plan:
         r = self.result
         return {
             "policy": self.policy,
-            "budget": self.budget,
+            "budget_bytes": self.device_budget,
+            "headroom": self.headroom,
+            "limit_bytes": self.budget,
             "fits": self.fits,
+            "calibrated": self.calibrated,
             "counts": self.counts(),
             "tensors": [
                 {"name": t.name, "layer": t.producer, "nbytes": t.nbytes,
@@ -174,6 +195,28 @@ class Plan:
             "batch_size": self.graph.batch_size,
             "persistent_bytes": self.graph.persistent_bytes,
         }
+
+
+def memory_line(budget, headroom, limit):
+    """Names the three memory figures: the budget the user gave, the
+    headroom kept free of it, and the limit a plan must fit.
+
+    Args:
+        budget: the user's budget in bytes, or `None` when the limit was
+            given directly.
+        headroom: the share of `budget` kept free, or `None`.
+        limit: the limit in bytes, or `None` for no limit.
+
+    Returns:
+        A string such as `"budget 6.00 MiB, headroom 15% (921.60 KiB),
+        limit 5.10 MiB"`.
+    """
+    if limit is None:
+        return "no limit"
+    if budget is None:
+        return f"limit {format_bytes(limit)}"
+    return (f"budget {format_bytes(budget)}, headroom {headroom * 100:g}% "
+            f"({format_bytes(budget - limit)}), limit {format_bytes(limit)}")
 
 
 def _column_widths(line_length):

@@ -241,18 +241,26 @@ def _finish(graph, cost, budget, name, actions, prefetch=None, segments=(),
 _VERBS = {"swap": "swapped", "recompute": "recomputed"}
 
 
+def _clause(note):
+    """A note from the graph (fragments joined by ": " or "; ") as one
+    clause: no closing period, the fragments joined by commas."""
+    return note.rstrip(". ").replace(": ", ", ").replace("; ", ", ")
+
+
 def _notes(graph, actions, uses):
-    """Why ops are unmanaged and why tensors the policy acts on are kept."""
-    notes = [f"{op.name}: {op.note}" for op in graph.ops if op.note]
+    """Why ops are unmanaged and why tensors the policy acts on are kept,
+    each a sentence."""
+    notes = [f"{op.name} is left as it is: {_clause(op.note)}."
+             for op in graph.ops if op.note]
     for t in graph.tensors:
         barred = [_VERBS[u] for u in uses
                   if not (t.can_swap if u == "swap" else t.can_recompute)]
         forced = actions[t.name] == "keep" and t.bwd_readers and barred
         forced = forced and len(barred) == len(uses)
         if forced:
-            reason = f": {t.note}" if t.note else "."
+            reason = f" ({_clause(t.note)})" if t.note else ""
             verbs = " or ".join(barred)
-            notes.append(f"{t.name} kept: cannot be {verbs}{reason}")
+            notes.append(f"{t.name} is kept: it cannot be {verbs}{reason}.")
         elif t.note:
-            notes.append(f"{t.name}: {t.note}")
+            notes.append(f"{t.name}: {_clause(t.note)}.")
     return notes
