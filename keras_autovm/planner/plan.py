@@ -154,6 +154,8 @@ class Plan:
             compute = "measured"
         elif timed:
             compute = f"measured ({timed} of {len(self.graph.ops)} layers, the rest roofline)"
+        elif self.cost.time_scale != 1.0:
+            compute = "roofline scaled to measured steps"
         else:
             compute = "roofline (uncalibrated)"
         link = "measured" if self.cost.link_measured else "default bandwidths"
