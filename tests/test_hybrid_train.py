@@ -54,3 +54,42 @@ def test_hybrid_replays_interleaved_branches_and_trains_the_same():
         assert callback.report.stats["segments_replayed"] > 0
     for wa, wb in zip(reference.get_weights(), trained.get_weights()):
         np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=2e-6)
+
+
+def squaring_model():
+    """Convolutions each followed by `Multiply()([x, x])`: a layer reading
+    one tagged tensor twice, which a replay cannot feed `x` alone."""
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c0")(inputs)
+    for i in range(4):
+        x = keras.layers.Conv2D(8, 3, padding="same", name=f"c{i + 1}")(x)
+        x = keras.layers.Multiply(name=f"sq{i}")([x, x])
+        x = keras.layers.Activation("tanh", name=f"t{i}")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+
+
+def test_a_layer_reading_one_tensor_twice_is_never_chained_into():
+    model = squaring_model()
+    graph = keras_autovm.plan(model, 8, budget=2**40, policy="keep_all").graph
+    ops = graph.op_map if hasattr(graph, "op_map") else {op.name: op for op in graph.ops}
+    assert not ops["sq0"].unary and ops["t0"].unary
+    keep = keras_autovm.plan(model, 8, budget=2**40, policy="keep_all",
+                             headroom=0).result.peak_bytes
+    slow = keras_autovm.planner.CostModel(d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6)
+    plan = keras_autovm.plan(model, 8, budget=int(keep * 0.6), policy="hybrid",
+                             headroom=0, cost=slow)
+    assert plan.counts()["recompute"] > 0
+    chains = keras_autovm.planner.policies.chain_segments(graph)
+    for segment in list(plan.segments) + list(chains):
+        assert all(not op.startswith("sq") for op in segment[1:]), segment
+    # And it trains: a replay that fed Multiply one tensor would raise.
+    keras.utils.set_random_seed(7)
+    trained = squaring_model()
+    trained.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    callback = keras_autovm.AutoVM(budget=int(keep * 0.6), policy="hybrid", headroom=0,
+                                   cost=slow, verbose=0, apply_without_gpu=True,
+                                   profile=None)
+    trained.fit(*data(16), batch_size=8, epochs=1, shuffle=False, verbose=0,
+                callbacks=[callback])
+    assert callback.report.plan.counts()["recompute"] > 0

@@ -206,9 +206,13 @@ def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
         flops = facts.flops(inner, node, batch_size)
         mem_bytes = (sum(known[id(x)][1] for x in node.input_tensors + outputs)
                      + facts.weight_bytes(inner))
+    args = node.arguments.args
+    unary = (len(node.input_tensors) == 1 and len(args) == 1
+             and args[0] is node.input_tensors[0])
     return OpSpec(name=name, inputs=tuple(input_names), outputs=tuple(out_names),
                   flops=float(flops), mem_bytes=float(mem_bytes),
-                  kind=type(inner).__name__, note="; ".join(rules["op_notes"]))
+                  kind=type(inner).__name__, note="; ".join(rules["op_notes"]),
+                  unary=unary)
 
 
 def _rules(layer, inner, num_calls, num_outputs, batch_size, backend):

@@ -62,6 +62,10 @@ class OpSpec:
         workspace_bytes: scratch memory held while the op runs.
         kind: the layer's class name, for summaries.
         note: why this op is not managed, if it is not.
+        unary: whether the call takes one tensor and nothing else tensor-
+            valued, so that a recompute replay may feed it the previous
+            op's output alone (`Multiply()([x, x])` reads one tagged tensor
+            but is not unary).
     """
 
     name: str
@@ -74,6 +78,7 @@ class OpSpec:
     workspace_bytes: int = 0
     kind: str = ""
     note: str = ""
+    unary: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

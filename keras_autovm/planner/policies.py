@@ -162,7 +162,7 @@ def _chains(graph):
         link = outputs[prev.name]
         linked = (len(link) == 1 and inputs[op.name] == link
                   and tuple(set(tensors[link[0]].fwd_readers)) == (op.name,)
-                  and tensors[link[0]].can_recompute)
+                  and tensors[link[0]].can_recompute and op.unary)
         if linked:
             chains[-1].append(op.name)
         else:

@@ -40,7 +40,8 @@ def dataflow_chains(graph):
 
     Op b follows op a when a has exactly one output (besides internal
     tensors), that output may be recomputed, b is its only forward reader,
-    and b reads nothing else that is tagged.
+    and b reads nothing else that is tagged, and takes that one tensor alone
+    (`OpSpec.unary`: the replay calls it with the previous op's output).
 
     Args:
         graph: a `Graph`.
@@ -52,6 +53,7 @@ def dataflow_chains(graph):
     tensors = graph.tensor_map
     outputs = {op.name: [] for op in graph.ops}
     inputs = {op.name: set(op.inputs) for op in graph.ops}
+    unary = {op.name: op.unary for op in graph.ops}
     for t in graph.tensors:
         if not t.internal:
             outputs[t.producer].append(t.name)
@@ -65,7 +67,7 @@ def dataflow_chains(graph):
         readers = set(tensors[out[0]].fwd_readers)
         if len(readers) == 1:
             reader = readers.pop()
-            if inputs[reader] == {out[0]}:
+            if inputs[reader] == {out[0]} and unary[reader]:
                 follows[op.name] = reader
     has_prev = set(follows.values())
     chains = []
