@@ -69,6 +69,8 @@ def plan(model: keras.Model, batch_size: int,
     mechanism = mechanisms.get()
     budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
     measured = None if profile is None else profiling.load(profile)
+    if measured is not None:
+        profiling.warn_if_foreign(measured, model, mechanism.backend)
     cost = cost or calibration.measured_cost(mechanism)
     if measured is not None:
         cost = measured.cost(cost, mechanism.copy_link)

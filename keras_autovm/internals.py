@@ -84,6 +84,18 @@ def draws_random_numbers(layer):
     return any(getattr(sub, "_seed_generators", None) for sub in layers)
 
 
+def sublayers(layer):
+    """The layers a layer holds directly (a custom block's parts).
+
+    No public API lists them on a plain `Layer` (only `Model.layers`);
+    `_flatten_layers(include_self=False, recursive=False)` is how `Layer`
+    walks its own. Keras 3.15.1.
+    """
+    if not hasattr(layer, "_flatten_layers"):
+        return []
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
 def call_takes_training(layer):
     """Whether `layer.call` accepts `training` (`_call_has_training_arg`).
 

@@ -147,18 +147,40 @@ def _call_key(layer, node):
                       sort_keys=True)
 
 
-def _settings(layer):
+def _settings(layer, depth=0):
+    """A layer's plain settings, its `trainable` flag (a frozen layer has no
+    weight gradients to time), and the settings of layers it holds."""
     plain = (bool, int, float, str, type(None))
-    found = {}
+    found = {"trainable": bool(layer.trainable)}
     for key, value in vars(layer).items():
         if key.startswith("_") or key in _STATE:
             continue
         if inspect.isfunction(value):
-            value = value.__name__  # An activation function.
+            value = _function_key(value)  # An activation, a Lambda's body.
         if isinstance(value, plain) or (isinstance(value, (tuple, list))
-                                         and all(isinstance(v, plain) for v in value)):
+                                          and all(isinstance(v, plain) for v in value)):
             found[key] = value
+    held = internals.sublayers(layer)
+    if held:
+        found["held layers"] = [_held(v, depth) for v in held]
     return found
+
+
+def _held(layer, depth):
+    if depth >= 4:  # Deep enough to tell custom blocks apart.
+        return type(layer).__name__
+    return [type(layer).__name__, _settings(layer, depth + 1)]
+
+
+def _function_key(function):
+    """A function by name and code: two lambdas differ by their bodies."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return f"{function.__module__}.{function.__qualname__}"
+    # Nested code objects' reprs hold addresses, which change per process.
+    consts = [c for c in code.co_consts if not inspect.iscode(c)]
+    body = hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:12]
+    return f"{function.__module__}.{function.__qualname__}:{body}"
 
 
 def cache_dir():
@@ -207,7 +229,10 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
             cached = Profile.load(path)
         except (OSError, ValueError, KeyError, TypeError):
             cached = None  # A damaged cache file is measured again and replaced.
-        if cached is not None and len(cached.layers) == len(names):
+        # A profile timed at a smaller batch (a tighter budget then) is
+        # measured again when this fit can time a larger one.
+        if (cached is not None and len(cached.layers) == len(names)
+                and cached.batch_size >= timing_batch(model, batch_size, limit_bytes)):
             # Same architecture, in run order: take this model's op names.
             layers = tuple(dataclasses.replace(t, name=n)
                            for t, n in zip(cached.layers, names))
@@ -279,6 +304,16 @@ def load(profile):
 
 
 
+def warn_if_foreign(profile, model, backend):
+    """Warns when a given profile was measured for another architecture or
+    backend: its times are matched to this model's layers by name only."""
+    if profile.fingerprint != fingerprint(model) or profile.backend != backend:
+        warnings.warn(
+            f"The profile given was measured for another model or backend "
+            f"(its backend: {profile.backend}; this one: {backend}); AutoVM "
+            f"applies its times to the layers whose names match.", stacklevel=3)
+
+
 def check_setting(profile):
     """Rejects a malformed `profile=` argument now, naming it."""
     if profile in ("auto", None, False) or isinstance(profile, (Profile, str, os.PathLike)):
@@ -306,7 +341,9 @@ def for_fit(setting, model, batch_size, mechanism, verbose=0, limit_bytes=None):
     if setting is None or setting is False:
         return None, "off"
     if setting != "auto":
-        return load(setting), "given"
+        given = load(setting)
+        warn_if_foreign(given, model, mechanism.backend)
+        return given, "given"
     if batch_size is None:
         warnings.warn("AutoVM could not tell the batch size before training, so "
                       "it plans with roofline estimates instead of measured "

@@ -104,7 +104,8 @@ def test_fingerprint_follows_the_architecture():
 def fake_profile(model, batch_size, fwd=1e-3, link=None):
     names = [op.name for op in keras_autovm.plan(model, batch_size, "1GiB").graph.ops]
     layers = tuple(profiling.LayerTime(n, fwd, 2 * fwd, 0) for n in names)
-    return profiling.Profile("test-device", BACKEND, batch_size, "f", layers,
+    return profiling.Profile("test-device", BACKEND, batch_size,
+                             profiling.fingerprint(model), layers,
                              link or {})
 
 
@@ -256,3 +257,49 @@ def test_link_takes_the_probe_medians_and_the_backend_copies(monkeypatch):
         "pinned_d2h": 52.0, "managed_prefetch_h2d": 40.0,
         "managed_first_eviction": 9.0, "pinned_both_h2d": 30.0}
     assert calibration.measure_link(Mechanism()) == {}
+
+
+def test_fingerprint_tells_frozen_held_and_lambda_layers_apart():
+    def with_layer(layer):
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, layer(keras.layers.Dense(8)(inputs)))
+
+    dense = keras.layers.Dense(4)
+    before = profiling.fingerprint(with_layer(dense))
+    dense.trainable = False  # No weight gradients left to time.
+    assert profiling.fingerprint(with_layer(dense)) != before
+
+    class Block(keras.layers.Layer):
+        def __init__(self, activation, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = keras.layers.Activation(activation)
+
+        def call(self, x):
+            return self.inner(x)
+
+    assert (profiling.fingerprint(with_layer(Block("relu")))
+            != profiling.fingerprint(with_layer(Block("exponential"))))
+    assert (profiling.fingerprint(with_layer(keras.layers.Lambda(lambda x: x * 2)))
+            != profiling.fingerprint(with_layer(keras.layers.Lambda(lambda x: x + 2))))
+    assert (profiling.fingerprint(with_layer(keras.layers.Dense(4)))
+            == profiling.fingerprint(with_layer(keras.layers.Dense(4))))
+
+
+def test_a_profile_timed_at_a_smaller_batch_is_measured_again_with_room(cache):
+    from keras_autovm.model_graph import build_graph
+    model = small_cnn()
+    one = build_graph(model, 1)
+    tight = one.persistent_bytes + 2 * sum(t.nbytes for t in one.tensors) * 3
+    mechanism = mechanisms.get()
+    first, measured = profiling.obtain(model, 8, mechanism, limit_bytes=tight)
+    assert measured and first.batch_size == 3
+    again, measured = profiling.obtain(model, 8, mechanism, limit_bytes=tight)
+    assert not measured and again.batch_size == 3
+    roomy, measured = profiling.obtain(model, 8, mechanism)
+    assert measured and roomy.batch_size == 8
+
+
+def test_a_profile_of_another_model_warns(tmp_path):
+    other = profiling.measure(skip_model(), 4, mechanisms.get(), repeats=1)
+    with pytest.warns(UserWarning, match="another model"):
+        keras_autovm.plan(small_cnn(), 4, budget="1GiB", profile=other)
