@@ -144,7 +144,8 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             + f" the limit is {planner.format_bytes(limit)}, and the least any "
             f"{policy!r} plan needs is {planner.format_bytes(error.min_budget)}.",
             least) from None
-    return dataclasses.replace(plan, device_budget=budget_bytes, headroom=headroom)
+    return dataclasses.replace(plan, device_budget=budget_bytes, headroom=headroom,
+                               memory_scale=memory_scale)
 
 
 @dataclasses.dataclass

@@ -56,7 +56,9 @@ def timeline(plan, budget, measured_peak, title, path=None):
                    label="limit (budget less headroom)")
         if budget is not None and budget > plan.budget:
             ax.axhspan(plan.budget / size, budget / size, color="tab:red",
-                       alpha=0.12, label=f"headroom ({plan.headroom * 100:g}%)")
+                       alpha=0.12, label=f"headroom ({plan.headroom * 100:g}%)"
+                       + (f" and {plan.memory_scale:.2f}x measured overhead"
+                          if plan.memory_scale != 1.0 else ""))
     if measured_peak is not None:
         ax.axhline(measured_peak / size, color="black", ls=":",
                    label="measured peak")

@@ -141,7 +141,7 @@ def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes):
             "calibrated": plan.calibrated, "peak_bytes": peak_bytes,
             "predicted_peak_bytes": r.peak_bytes,
             "budget_bytes": plan.device_budget, "headroom": plan.headroom,
-            "limit_bytes": plan.budget,
+            "memory_scale": plan.memory_scale, "limit_bytes": plan.budget,
             "planned_host_bytes_per_step": per_step,
             "planned_host_bytes_per_epoch": per_step * steps,
             "replanned": False}
@@ -160,8 +160,11 @@ def epoch_line(record):
     limit = record.get("limit_bytes")
     memory = "no limit" if limit is None else f"limit {format_bytes(limit)}"
     if limit is not None and record.get("budget_bytes") is not None:
+        scale = record.get("memory_scale", 1.0)
         memory += (f" (budget {format_bytes(record['budget_bytes'])} less "
-                   f"{record['headroom'] * 100:g}% headroom)")
+                   f"{record['headroom'] * 100:g}% headroom"
+                   + (f", over a {scale:.2f}x measured overhead" if scale != 1.0 else "")
+                   + ")")
     return (f"AutoVM epoch {record['epoch']}{of}: {record['policy']}; step "
             f"{ms(record['step_time'])} measured, {predicted}; peak {peak} "
             f"measured, {format_bytes(record['predicted_peak_bytes'])} "

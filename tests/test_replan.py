@@ -73,3 +73,19 @@ def test_peak_is_reset_when_an_epoch_begins_not_when_it_ends(monkeypatch):
     # logger) sees the whole epoch's peak: AutoVM resets it only as the next
     # epoch begins.
     assert events == ["reset", "begin", "end", "reset", "begin", "end"]
+
+
+def test_after_a_memory_replan_the_figures_name_the_overhead(monkeypatch, capsys):
+    callback, _ = fit_with_peak(monkeypatch, factor=1.5, budget_share=1.2)
+    plan = callback.plan
+    assert plan.memory_scale == pytest.approx(1.5, rel=1e-3)
+    # The limit is the budget less headroom, divided by the overhead; the
+    # headroom is still 15% of the budget, not what the limit left over.
+    assert plan.budget == pytest.approx(plan.device_budget * 0.85 / 1.5, rel=1e-3)
+    line = keras_autovm.planner.plan.memory_line(plan.device_budget, plan.headroom,
+                                                  plan.budget, plan.memory_scale)
+    assert "measured overhead 1.50x" in line
+    assert f"({keras_autovm.planner.format_bytes(plan.device_budget * 0.15)})" in line
+    from keras_autovm import report
+    record = report.epoch_record(0, 1, plan, 4, 0.01, None)
+    assert "1.50x measured overhead" in report.epoch_line(record)

@@ -68,6 +68,9 @@ class Plan:
             was derived from it; else `None`. Defaults to `None`.
         headroom: the share of `device_budget` kept free, when given.
             Defaults to `None`.
+        memory_scale: how much more memory than predicted plans were
+            measured to use; the limit is the budget less the headroom,
+            divided by it. Defaults to `1.0`.
     """
 
     graph: object
@@ -81,6 +84,7 @@ class Plan:
     segments: tuple = ()
     device_budget: int = None
     headroom: float = None
+    memory_scale: float = 1.0
 
     @property
     def fits(self):
@@ -136,7 +140,7 @@ class Plan:
             times += "; uncalibrated: default device figures"
         lines = [
             f"Policy: {self.policy} ({counts})",
-            f"Memory: {memory_line(self.device_budget, self.headroom, self.budget)}",
+            f"Memory: {memory_line(self.device_budget, self.headroom, self.budget, self.memory_scale)}",
             f"Predicted peak: {format_bytes(r.peak_bytes)}"
             + ("" if self.fits else "  (over the limit)"),
             times,
@@ -168,6 +172,7 @@ class Plan:
             "policy": self.policy,
             "budget_bytes": self.device_budget,
             "headroom": self.headroom,
+            "memory_scale": self.memory_scale,
             "limit_bytes": self.budget,
             "fits": self.fits,
             "calibrated": self.calibrated,
@@ -199,7 +204,7 @@ class Plan:
         }
 
 
-def memory_line(budget, headroom, limit):
+def memory_line(budget, headroom, limit, memory_scale=1.0):
     """Names the three memory figures: the budget the user gave, the
     headroom kept free of it, and the limit a plan must fit.
 
@@ -208,6 +213,8 @@ def memory_line(budget, headroom, limit):
             given directly.
         headroom: the share of `budget` kept free, or `None`.
         limit: the limit in bytes, or `None` for no limit.
+        memory_scale: the measured memory overhead the limit was divided
+            by (`1.0`: none).
 
     Returns:
         A string such as `"budget 6.00 MiB, headroom 15% (921.60 KiB),
@@ -217,8 +224,11 @@ def memory_line(budget, headroom, limit):
         return "no limit"
     if budget is None:
         return f"limit {format_bytes(limit)}"
+    overhead = (f", measured overhead {memory_scale:.2f}x"
+                if memory_scale != 1.0 else "")
     return (f"budget {format_bytes(budget)}, headroom {headroom * 100:g}% "
-            f"({format_bytes(budget - limit)}), limit {format_bytes(limit)}")
+            f"({format_bytes(budget * headroom)}){overhead}, "
+            f"limit {format_bytes(limit)}")
 
 
 def _column_widths(line_length):
