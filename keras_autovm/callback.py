@@ -65,7 +65,7 @@ class AutoVM(keras.callbacks.Callback):
             `"16GiB"` or `"512MiB"`, a float in (0, 1] (a fraction of the
             GPU's memory) or `None` (all of it). Defaults to `None`.
         policy: `"auto"` (the fastest plan that fits) or one of
-            `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
+            `"hybrid"`, `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
             `"sqrt_recompute"`, `"sqrt_offload"`. Defaults to `"auto"`.
         verbose: 0 for silent, 1 to print the plan, a line per epoch and the
             report. Defaults to 1.

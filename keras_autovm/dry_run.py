@@ -33,8 +33,8 @@ def plan(model: keras.Model, batch_size: int,
             GPU's memory) or `None` (all of the GPU's memory). Defaults to
             `None`.
         policy: `"auto"` (the fastest plan that fits) or one of
-            `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
-            `"sqrt_recompute"`. Defaults to `"auto"`.
+            `"hybrid"`, `"keep_all"`, `"offload_all"`, `"greedy_offload"`,
+            `"sqrt_recompute"`, `"sqrt_offload"`. Defaults to `"auto"`.
         cost: a `keras_autovm.planner.CostModel` (compute speed and link
             bandwidths); `None` uses the link measured on this GPU, or the
             defaults. Defaults to `None`.
