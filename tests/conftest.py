@@ -50,3 +50,11 @@ def data(n=32, size=16, seed=0):
 @pytest.fixture
 def cnn_data():
     return data()
+
+
+@pytest.fixture
+def swap_small_tensors(monkeypatch):
+    """torch leaves tensors under 1 MiB to autograd; the test models' are."""
+    if BACKEND == "torch":
+        from keras_autovm.mechanisms.torch import swap
+        monkeypatch.setattr(swap, "MIN_BYTES", 0)

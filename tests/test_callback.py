@@ -13,14 +13,6 @@ from conftest import BACKEND, data, skip_model, small_cnn
 # through saved-tensor hooks and a host pool.
 
 
-@pytest.fixture
-def swap_small_tensors(monkeypatch):
-    """torch leaves tensors under 1 MiB to autograd; the test models' are."""
-    if BACKEND == "torch":
-        from keras_autovm.mechanisms.torch import swap
-        monkeypatch.setattr(swap, "MIN_BYTES", 0)
-
-
 def train(model_fn, callbacks=(), epochs=2, batch_size=8):
     keras.utils.set_random_seed(7)
     model = model_fn()

@@ -59,7 +59,11 @@ def _line(b0, y0, b1, y1):
 
 def measure(model):
     """Maps op name to `Saved` for every layer call of `model`."""
-    (b0, first), (b1, second) = zip(SIZES, [_run(model, size) for size in SIZES])
+    # Layers that draw from torch's global generator (unseeded dropout) must
+    # draw in training what they would have drawn without the profile.
+    devices = list(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=devices):
+        (b0, first), (b1, second) = zip(SIZES, [_run(model, size) for size in SIZES])
     profile = {}
     for name, (tags, nbytes, transient) in first.items():
         tags2, nbytes2, transient2 = second[name]
