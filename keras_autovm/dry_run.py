@@ -15,7 +15,8 @@ from keras_autovm import planner
 def plan(model: keras.Model, batch_size: int,
          budget: int | str | float | None = None, policy: str = "auto",
          cost: planner.CostModel | None = None,
-         headroom: float = budget_lib.DEFAULT_HEADROOM) -> planner.Plan:
+         headroom: float = budget_lib.DEFAULT_HEADROOM,
+         input_shape: tuple | list | dict | None = None) -> planner.Plan:
     """Plans which layer outputs to keep, swap to host or recompute.
 
     A dry run: nothing is trained and the model is not changed. The plan is
@@ -39,6 +40,12 @@ def plan(model: keras.Model, batch_size: int,
         headroom: the share of `budget` kept free for memory the planner
             does not model (framework scratch buffers, fragmentation): plans
             must fit `budget * (1 - headroom)`. Defaults to 0.15.
+        input_shape: the shape of one sample (no batch dimension), needed
+            when the model's inputs have unknown dimensions besides the
+            batch, such as a text backbone's sequence length: `(128,)`. For
+            several inputs, a list (in `model.inputs` order) or a dict by
+            input name. `None` uses the model's own input shapes. Defaults
+            to `None`.
 
     Returns:
         A `keras_autovm.planner.Plan`; `Plan.summary()` prints it.
@@ -63,5 +70,6 @@ def plan(model: keras.Model, batch_size: int,
     mechanism = mechanisms.get()
     budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
     return budget_lib.plan_within(
-        budget_lib.graph_for(model, int(batch_size), mechanism), budget_bytes,
+        budget_lib.graph_for(model, int(batch_size), mechanism, input_shape),
+        budget_bytes,
         headroom, policy, cost or calibration.measured_cost(mechanism), mechanism)

@@ -73,3 +73,66 @@ def test_trains_like_without_autovm(name, policy, references, swap_small_tensors
     action = "recompute" if policy == "sqrt_recompute" else "swap"
     assert plan.counts()[action] > 0, (name, plan.counts(), plan.notes)
     assert_same_weights(references[name], model)
+
+
+def test_subclassed_model_trains_unchanged_with_one_line(references):
+    reference = references.get("subclassed") or fit("subclassed")
+    callback = autovm("sqrt_recompute")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fit("subclassed", [callback])
+    lines = [str(w.message) for w in caught if "AutoVM" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "leaves the model unchanged" in lines[0] and "subclassed" in lines[0]
+    assert callback.report is None
+    for wa, wb in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(wa, wb)
+
+
+# What each model has that AutoVM keeps, and the words of its one-line note.
+KEPT = {
+    "cnn_bn_dropout": ("drop", "random layer"),
+    "shared_layer": ("shared@1", "shared layer called 2 times: kept"),
+    "nested": ("inner:internal", "nested model's own activations: kept"),
+    "backbone": ("embeddings_dropout", "random layer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_what_autovm_keeps_it_says_in_one_line(name):
+    with policy_of(name):
+        model, x, *_ = ZOO[name]()
+    shape = np.shape(x)[1:] if name == "backbone" else None
+    plan = keras_autovm.plan(model, 8, budget="1GiB", policy="sqrt_recompute",
+                             input_shape=shape)
+    tag, words = KEPT[name]
+    assert plan.actions[tag] == "keep"
+    notes = [n for n in plan.notes if n.startswith(f"{tag}")]
+    assert notes and all("\n" not in n for n in notes)
+    assert any(words in n for n in notes), plan.notes
+
+
+def test_unknown_sequence_length_needs_an_input_shape():
+    model, tokens, *_ = ZOO["backbone"]()
+    with pytest.raises(ValueError, match=r"token_ids.*input_shape=\(128,\)") as info:
+        keras_autovm.plan(model, 8, budget="1GiB")
+    assert "224" not in str(info.value)  # No image hint for a text model.
+    short = keras_autovm.plan(model, 8, budget="1GiB", input_shape=(10,))
+    long = keras_autovm.plan(model, 8, budget="1GiB", input_shape=[(20,)])
+    sizes = [{t.name: t.nbytes for t in p.graph.tensors} for p in (short, long)]
+    assert sizes[1]["block0_ff1"] == 2 * sizes[0]["block0_ff1"]
+    for bad in [(10, 16), (0,), ("10",), [(10,), (10,)]]:
+        with pytest.raises(ValueError, match="input_shape"):
+            keras_autovm.plan(model, 8, budget="1GiB", input_shape=bad)
+
+
+def test_fit_plans_from_the_shapes_of_its_batches():
+    keras.utils.set_random_seed(7)
+    model, tokens, y, loss = ZOO["backbone"]()
+    model.compile(optimizer="sgd", loss=loss)
+    callback = autovm("sqrt_recompute")
+    model.fit(tokens, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    expected = keras_autovm.plan(model, 8, budget="1GiB", policy="sqrt_recompute",
+                                 input_shape=tokens.shape[1:])
+    assert callback.report.plan.actions == expected.actions
+    assert callback.report.plan.result.peak_bytes == expected.result.peak_bytes

@@ -36,11 +36,11 @@ class TorchMechanism(Mechanism):
     def actions(self):
         return ("keep", "swap", "recompute")
 
-    def adjust_graph(self, graph, model):
+    def adjust_graph(self, graph, model, input_shapes=None):
         """Backward readers and layer internals as measured (`profile.py`)."""
-        key = id(model)
+        key = (id(model), input_shapes)
         if self._profiles.get(key, (None,))[0] is not model:
-            self._profiles[key] = (model, profile.measure(model))
+            self._profiles[key] = (model, profile.measure(model, input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
 
     def swap_cost(self, cost):
