@@ -73,6 +73,17 @@ def output_specs(fn, inputs):
     return specs
 
 
+def uncast_value(variable):
+    """A variable's own tensor, never the cast copy `variable.value` gives
+    inside a mixed-precision layer call (`_maybe_autocast`).
+
+    The torch swap leaves the storages of variables alone and must know
+    them from inside a training step, where `value` is a bfloat16 copy.
+    `Variable._value` holds the tensor itself. Keras 3.15.1.
+    """
+    return variable._value
+
+
 def producer(x):
     """The operation that made a symbolic tensor (`_keras_history[0]`).
 

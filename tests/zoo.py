@@ -36,7 +36,8 @@ def cnn_bn_dropout():
 
 def shared_layer():
     inputs = keras.Input((10,))
-    x = L.Dense(16, activation="tanh", name="d1")(inputs)
+    x = L.Dense(16, activation="tanh", name="d0")(inputs)
+    x = L.Dense(16, activation="tanh", name="d1")(x)
     shared = L.Dense(16, activation="tanh", name="shared")
     x = shared(x)
     x = L.Dense(16, activation="tanh", name="d2")(x)

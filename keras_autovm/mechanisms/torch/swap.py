@@ -37,6 +37,8 @@ import weakref
 import keras
 import torch
 
+from keras_autovm import internals
+
 # Saved tensors smaller than this stay with autograd: not worth a copy.
 MIN_BYTES = 1 << 20
 _ALIGN = 512
@@ -44,7 +46,7 @@ _ALIGN = 512
 
 def weight_key(variable):
     """The storage key of a Keras variable's tensor."""
-    return keras.ops.convert_to_tensor(variable.value).untyped_storage().data_ptr()
+    return internals.uncast_value(variable).untyped_storage().data_ptr()
 
 
 class HostPool:
