@@ -55,11 +55,12 @@ def references():
     return {}
 
 
-def assert_same_weights(a, b):
-    # The tolerance of docs/mechanisms.md: recompute reruns kernels whose
-    # order of summation may differ.
+def assert_same_weights(a, b, name):
+    # The tolerances of docs/limitations.md: recompute reruns kernels whose
+    # order of summation may differ, in bfloat16 more coarsely.
+    atol = 5e-5 if name == "mixed_precision" else 2e-6
     for wa, wb in zip(a.get_weights(), b.get_weights()):
-        np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=atol)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -72,7 +73,7 @@ def test_trains_like_without_autovm(name, policy, references, swap_small_tensors
     plan = callback.report.plan
     action = "recompute" if policy == "sqrt_recompute" else "swap"
     assert plan.counts()[action] > 0, (name, plan.counts(), plan.notes)
-    assert_same_weights(references[name], model)
+    assert_same_weights(references[name], model, name)
 
 
 def test_subclassed_model_trains_unchanged_with_one_line(references):
@@ -135,4 +136,8 @@ def test_fit_plans_from_the_shapes_of_its_batches():
     expected = keras_autovm.plan(model, 8, budget="1GiB", policy="sqrt_recompute",
                                  input_shape=tokens.shape[1:])
     assert callback.report.plan.actions == expected.actions
-    assert callback.report.plan.result.peak_bytes == expected.result.peak_bytes
+    # Activations sized at the batches' length (optimizer state, counted
+    # once it is built, may differ).
+    sizes = [{t.name: t.nbytes for t in p.graph.tensors}
+             for p in (callback.report.plan, expected)]
+    assert sizes[0] == sizes[1]
