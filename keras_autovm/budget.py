@@ -102,9 +102,8 @@ def check_headroom(headroom):
 def graph_for(model, batch_size, mechanism, input_shapes=None):
     """The planner graph of `model` at `batch_size` (and `input_shapes`, see
     `model_graph.build_graph`), as `mechanism` runs it."""
-    input_shapes = input_shapes_of(model, input_shapes)
     graph = build_graph(model, batch_size, input_shapes=input_shapes)
-    return mechanism.adjust_graph(graph, model, input_shapes)
+    return mechanism.adjust_graph(graph, model, input_shapes_of(model, input_shapes))
 
 
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism):

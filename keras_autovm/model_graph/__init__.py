@@ -10,9 +10,9 @@ from keras_autovm.model_graph.layer_facts import optimizer_state_bytes
 from keras_autovm.model_graph.walk import build_graph
 from keras_autovm.model_graph.walk import call_names
 from keras_autovm.model_graph.walk import functional_of
-from keras_autovm.model_graph.walk import input_shapes_of
+from keras_autovm.model_graph.shapes import input_shapes_of
 from keras_autovm.model_graph.walk import layer_calls
-from keras_autovm.model_graph.walk import needs_input_shapes
+from keras_autovm.model_graph.shapes import needs_input_shapes
 from keras_autovm.model_graph.walk import op_name
 from keras_autovm.model_graph.walk import tag_names
 
