@@ -141,3 +141,21 @@ def test_fit_plans_from_the_shapes_of_its_batches():
     sizes = [{t.name: t.nbytes for t in p.graph.tensors}
              for p in (callback.report.plan, expected)]
     assert sizes[0] == sizes[1]
+
+
+def test_each_sequence_length_gets_its_own_plan():
+    from keras_autovm import budget
+    from keras_autovm import mechanisms
+    from keras_autovm.planner import CostModel
+    from keras_autovm.runtime import Runtime
+
+    model, *_ = ZOO["backbone"]()
+    plans = budget.PlanBook(model, 2**30, 0.15, "sqrt_recompute", CostModel(),
+                            mechanisms.get())
+    runtime = Runtime(mechanisms.get(), plans, {})
+    assert runtime.plan_for(8) is None  # No shape seen yet: nothing to plan.
+    short = runtime.plan_for_inputs(np.zeros((8, 10), "int32")).plan
+    long = runtime.plan_for_inputs(np.zeros((8, 20), "int32")).plan
+    nbytes = [p.graph.tensor_map["block0_ff1"].nbytes for p in (short, long)]
+    assert nbytes[1] == 2 * nbytes[0]
+    assert runtime.plan_for_inputs(np.zeros((8, 10), "int32")).plan is short
