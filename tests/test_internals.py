@@ -215,3 +215,14 @@ def test_uncast_value_is_the_variables_own_tensor():
 
     Probe(dtype="mixed_bfloat16")(np.ones((1, 2), "float32"))
     assert seen == [["bfloat16", "float32"]]
+
+
+def test_output_specs_sizes_every_call_and_adds_no_node():
+    x = keras.Input((None, 3))
+    dense = keras.layers.Dense(4)
+    y = keras.layers.ReLU()(dense(x))
+    model = keras.Model(x, y)
+    calls = len(dense._inbound_nodes)
+    specs = internals.output_specs(model, [keras.KerasTensor((2, 5, 3))])
+    assert tuple(specs[id(y)].shape) == (2, 5, 4)
+    assert len(dense._inbound_nodes) == calls
