@@ -58,7 +58,7 @@ def references():
 def assert_same_weights(a, b, name):
     # The tolerances of docs/limitations.md: recompute reruns kernels whose
     # order of summation may differ, in bfloat16 more coarsely.
-    atol = 5e-5 if name == "mixed_precision" else 2e-6
+    atol = 5e-4 if name == "mixed_precision" else 2e-6
     for wa, wb in zip(a.get_weights(), b.get_weights()):
         np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=atol)
 
