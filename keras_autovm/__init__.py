@@ -6,6 +6,7 @@ See docs/ for the guide and the API, and docs/architecture.md for where each
 concern lives.
 """
 
+from keras_autovm import applications
 from keras_autovm.callback import AutoVM
 from keras_autovm.dry_run import plan
 from keras_autovm.mechanisms.tensorflow.managed import enable_managed_memory
@@ -15,5 +16,5 @@ from keras_autovm.profiling import Profile
 from keras_autovm.wrapper import AutoVMWrapper
 
 __version__ = "0.1.0"
-__all__ = ["AutoVM", "AutoVMWrapper", "Plan", "PlanError",
+__all__ = ["AutoVM", "applications", "AutoVMWrapper", "Plan", "PlanError",
            "Profile", "enable_managed_memory", "plan"]

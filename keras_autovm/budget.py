@@ -15,6 +15,8 @@ import keras
 
 from keras_autovm import planner
 from keras_autovm.model_graph import build_graph
+from keras_autovm.model_graph import input_shapes_of
+from keras_autovm.model_graph import needs_input_shapes
 
 # Share of the budget kept free for what the planner does not model: the
 # framework's scratch buffers and fragmentation. Measured on VGG-19 with JAX
@@ -99,11 +101,12 @@ def check_headroom(headroom):
                          f"Received: headroom={headroom!r}")
 
 
-def graph_for(model, batch_size, mechanism, profile=None):
-    """The planner graph of `model` at `batch_size`, as `mechanism` runs it,
-    with the layer times of `profile` (a `keras_autovm.profiling.Profile`)
-    when given."""
-    graph = mechanism.adjust_graph(build_graph(model, batch_size), model)
+def graph_for(model, batch_size, mechanism, profile=None, input_shapes=None):
+    """The planner graph of `model` at `batch_size` (and `input_shapes`, see
+    `model_graph.build_graph`), as `mechanism` runs it, with the layer times
+    of `profile` (a `keras_autovm.profiling.Profile`) when given."""
+    graph = build_graph(model, batch_size, input_shapes=input_shapes)
+    graph = mechanism.adjust_graph(graph, model, input_shapes_of(model, input_shapes))
     return graph if profile is None else profile.apply(graph)
 
 
@@ -178,12 +181,32 @@ class PlanBook:
     memory_scale: float = 1.0
     _graphs: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def plan(self, batch_size):
-        """A new plan for `batch_size` with the current cost model."""
-        if batch_size not in self._graphs:
-            self._graphs[batch_size] = graph_for(self.model, batch_size,
-                                                 self.mechanism, self.profile)
-        plan = plan_within(self._graphs[batch_size], self.budget_bytes,
+    def __post_init__(self):
+        self.needs_input_shapes = needs_input_shapes(self.model)
+        self._last_shapes = {}
+
+    def shapes_at(self, batch_size):
+        """The input shapes last planned at `batch_size` (`None` for models
+        whose inputs have concrete shapes)."""
+        return self._last_shapes.get(batch_size)
+
+    def plan(self, batch_size, input_shapes=None):
+        """A new plan for `batch_size` with the current cost model.
+
+        `input_shapes` (one tuple per model input, without the batch) are
+        read only for models whose inputs have unknown dimensions; `None`
+        then means the shapes last planned at this batch size.
+        """
+        if not self.needs_input_shapes:
+            input_shapes = None
+        elif input_shapes is None:
+            input_shapes = self._last_shapes[batch_size]
+        key = (batch_size, input_shapes)
+        if key not in self._graphs:
+            self._graphs[key] = graph_for(self.model, batch_size, self.mechanism,
+                                          self.profile, input_shapes)
+        self._last_shapes[batch_size] = input_shapes
+        plan = plan_within(self._graphs[key], self.budget_bytes,
                            self.headroom, self.policy, self.cost, self.mechanism,
                            self.memory_scale)
         if self.announce is not None:

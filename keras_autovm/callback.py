@@ -165,7 +165,12 @@ class AutoVM(keras.callbacks.Callback):
         # Our own reference: on JAX, reading `self.model` inside a traced step
         # syncs training state back into the model.
         self._target = self.model
-        functional_of(self._target)  # A clear error for subclassed models.
+        try:
+            functional_of(self._target)
+        except ValueError as error:  # A subclassed model: nothing to read.
+            warnings.warn(f"AutoVM leaves the model unchanged and training goes "
+                          f"on without it: {error}", stacklevel=2)
+            return
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
         fit = internals.running_fit()

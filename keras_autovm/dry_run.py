@@ -17,7 +17,8 @@ def plan(model: keras.Model, batch_size: int,
          budget: int | str | float | None = None, policy: str = "auto",
          cost: planner.CostModel | None = None,
          headroom: float = budget_lib.DEFAULT_HEADROOM,
-         profile=None) -> planner.Plan:
+         profile=None,
+         input_shape: tuple | list | dict | None = None) -> planner.Plan:
     """Plans which layer outputs to keep, swap to host or recompute.
 
     A dry run: nothing is trained and the model is not changed. The plan is
@@ -45,6 +46,12 @@ def plan(model: keras.Model, batch_size: int,
             `keras_autovm.profiling.Profile` or the path of its JSON (as
             `AutoVM` caches them, or `profiling.measure` returns); `None`
             plans with roofline estimates. Defaults to `None`.
+        input_shape: the shape of one sample (no batch dimension), needed
+            when the model's inputs have unknown dimensions besides the
+            batch, such as a text backbone's sequence length: `(128,)`. For
+            several inputs, a list (in `model.inputs` order) or a dict by
+            input name. `None` uses the model's own input shapes. Defaults
+            to `None`.
 
     Returns:
         A `keras_autovm.planner.Plan`; `Plan.summary()` prints it.
@@ -75,5 +82,5 @@ def plan(model: keras.Model, batch_size: int,
     if measured is not None:
         cost = measured.cost(cost, mechanism.copy_link)
     return budget_lib.plan_within(
-        budget_lib.graph_for(model, int(batch_size), mechanism, measured),
+        budget_lib.graph_for(model, int(batch_size), mechanism, measured, input_shape),
         budget_bytes, headroom, policy, cost, mechanism)

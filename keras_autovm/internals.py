@@ -54,6 +54,36 @@ def execution_nodes(fn):
     return order
 
 
+def output_specs(fn, inputs):
+    """The output spec of every call in a functional graph, for given inputs.
+
+    `inputs` are `keras.KerasTensor`s (one per `fn.inputs`) of concrete
+    shape; returns a dict from `id()` of each symbolic tensor of `fn` (its
+    inputs and every node's outputs) to the spec it has for those inputs.
+    Each call's arguments are filled in as Keras runs the graph
+    (`node.arguments.fill_in`, `Function._run_through_graph`) and its
+    `compute_output_spec` is asked: no new node is added to any layer, as a
+    symbolic call would. Keras 3.15.1.
+    """
+    specs = {id(x): spec for x, spec in zip(fn.inputs, inputs)}
+    for node in execution_nodes(fn):
+        args, kwargs = node.arguments.fill_in(specs)
+        outputs = node.operation.compute_output_spec(*args, **kwargs)
+        specs.update(zip((id(x) for x in node.outputs), keras.tree.flatten(outputs)))
+    return specs
+
+
+def uncast_value(variable):
+    """A variable's own tensor, never the cast copy `variable.value` gives
+    inside a mixed-precision layer call (`_maybe_autocast`).
+
+    The torch swap leaves the storages of variables alone and must know
+    them from inside a training step, where `value` is a bfloat16 copy.
+    `Variable._value` holds the tensor itself. Keras 3.15.1.
+    """
+    return variable._value
+
+
 def producer(x):
     """The operation that made a symbolic tensor (`_keras_history[0]`).
 

@@ -33,46 +33,68 @@ class Runtime:
         self.batch_size = batch_size
         self.current = None  # The `AppliedPlan` of the largest batch size.
         self._layers = layers
-        self._applied = {}
+        self._applied = {}  # (batch size, input shapes or None) -> AppliedPlan
+        self._active = None  # The plan of the step being traced.
         self._stash = {}
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0}
 
     def replace(self, plan):
         """Applies `plan` from now on; other batch sizes are planned anew."""
-        self._applied = {}
-        self._add(plan.graph.batch_size, plan)
+        self._applied, self._active = {}, None
+        batch_size = plan.graph.batch_size
+        self._add((batch_size, self.plans.shapes_at(batch_size)), plan)
 
-    def plan_for(self, batch_size):
-        """The `AppliedPlan` for `batch_size`, made on first use; the plan in
-        force when the size is unknown."""
+    def plan_for(self, batch_size, input_shapes=None):
+        """The `AppliedPlan` for `batch_size` (and, for a model whose inputs
+        have unknown dimensions, `input_shapes`), made on first use; the
+        plan in force when the size is unknown, or the shapes are needed and
+        were never seen."""
         batch_size = batch_size or self.batch_size
+        if self.plans.needs_input_shapes:
+            input_shapes = input_shapes or self.plans.shapes_at(batch_size)
+            if input_shapes is None:
+                return self.current
+        else:
+            input_shapes = None
         if batch_size is None:
             return self.current
-        if batch_size not in self._applied:
-            self._add(batch_size, self.plans.plan(batch_size))
-        return self._applied[batch_size]
+        key = (batch_size, input_shapes)
+        if key not in self._applied:
+            self._add(key, self.plans.plan(batch_size, input_shapes))
+        return self._applied[key]
 
     def plan_for_inputs(self, inputs):
-        """The `AppliedPlan` for a batch of model inputs; fails if its size
-        is unknown."""
+        """The `AppliedPlan` for a batch of model inputs, used by the layer
+        calls of the step being traced; fails if its size is unknown."""
         batch_size = _batch_size(inputs) or self.batch_size
         if batch_size is None:
             raise ValueError(
                 "AutoVM could not tell the training batch size: the traced "
                 "batch has no static size and the data does not say. Pass "
                 "AutoVM(batch_size=...).")
-        return self.plan_for(batch_size)
+        shapes = None
+        if self.plans.needs_input_shapes:
+            shapes = tuple(tuple(x.shape)[1:] for x in keras.tree.flatten(inputs))
+            if any(d is None for shape in shapes for d in shape):
+                raise ValueError(
+                    "AutoVM plans a model whose inputs have unknown dimensions "
+                    "from the shapes of the batches `fit` gives, but this step "
+                    f"was traced with input shapes {shapes} (None: unknown). "
+                    "Give batches of one shape (pad to a fixed length), or "
+                    "leave AutoVM out of this fit.")
+        self._active = self.plan_for(batch_size, shapes)
+        return self._active
 
-    def _add(self, batch_size, plan):
-        self._applied[batch_size] = AppliedPlan(plan, runnable=self._layers)
+    def _add(self, key, plan):
+        self._applied[key] = AppliedPlan(plan, runnable=self._layers)
         # Reports show the plan of the full batch, not of a last partial one.
-        self.current = self._applied[max(self._applied)]
+        self.current = self._applied[max(self._applied, key=lambda k: k[0])]
 
     def call(self, wrapper, inputs, args, kwargs, training):
         """Runs `wrapper`'s layer in training, applying the plan."""
         name, tags = wrapper._autovm_op
-        applied = self.plan_for(_batch_size(inputs))
+        applied = self._step_plan(inputs)
         segment = (applied.segment_starting.get(name)
                    if applied and self.mechanism.replays_segments else None)
         if name in self._stash:
@@ -83,6 +105,15 @@ class Runtime:
             outputs = self._tag(tags, self.mechanism.call_layer(
                 wrapper.layer, inputs, args, kwargs, applied))
         return self.mechanism.after_layer(name, outputs, applied)
+
+    def _step_plan(self, inputs):
+        """The plan for a layer call: the step's, when its batch size is
+        the call's."""
+        batch_size = _batch_size(inputs)
+        active = self._active
+        if active is not None and batch_size in (None, active.plan.graph.batch_size):
+            return active
+        return self.plan_for(batch_size)
 
     def _tag(self, names, outputs):
         if len(names) == 1:

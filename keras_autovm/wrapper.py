@@ -37,6 +37,9 @@ class AutoVMWrapper(keras.layers.Wrapper):
     def __init__(self, layer, **kwargs):
         if isinstance(layer, keras.layers.Layer):
             kwargs.setdefault("name", f"autovm_{layer.name}")
+            # The layer's own policy: a wrapper under another (a float32 head
+            # in a mixed-precision model) would cast its inputs first.
+            kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(layer, **kwargs)
         params = inspect.signature(layer.call).parameters
         self._inner_takes_training = "training" in params

@@ -64,3 +64,11 @@ def profile_cache(tmp_path_factory):
         os.environ.pop("KERAS_AUTOVM_CACHE_DIR", None)
     else:
         os.environ["KERAS_AUTOVM_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def swap_small_tensors(monkeypatch):
+    """torch leaves tensors under 1 MiB to autograd; the test models' are."""
+    if BACKEND == "torch":
+        from keras_autovm.mechanisms.torch import swap
+        monkeypatch.setattr(swap, "MIN_BYTES", 0)

@@ -319,11 +319,14 @@ def test_random_nested_and_multi_output_layers():
     assert tensors["inner"].bwd_readers == ("inner", "split")
 
 
-def test_unknown_dimension_raises_naming_the_layer():
-    x = keras.Input((None, 3))
+def test_unknown_dimension_needs_input_shapes_and_is_sized_from_them():
+    x = keras.Input((None, 3), name="steps")
     model = keras.Model(x, layers.Dense(2, name="per_step")(layers.Dense(4, name="d0")(x)))
-    with pytest.raises(ValueError, match="only the batch dimension may be unknown"):
+    with pytest.raises(ValueError, match=r"'steps'.*unknown.*input_shape="):
         build_graph(model, 4)
+    tensors, _ = _by_name(build_graph(model, 4, input_shapes=(5, 3)))
+    assert tensors["d0"].nbytes == 4 * 5 * 4 * F32
+    assert tensors["per_step"].nbytes == 4 * 5 * 2 * F32
     x = keras.Input((7, 3))
     y = layers.Reshape((-1, 3), name="reshape_ok")(x)
     assert build_graph(keras.Model(x, y), 4).tensors[0].nbytes == 4 * 7 * 3 * F32

@@ -235,3 +235,30 @@ def test_tf_replace_input_and_function_graphs():
     assert graphs and all(g.pre_optimization_graph.node and g.partition_graphs
                           for g in graphs)
     assert any(n.op == "AddV2" for g in graphs for n in g.post_optimization_graph.node)
+
+
+def test_uncast_value_is_the_variables_own_tensor():
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(2,), initializer="ones")
+
+        def call(self, x):
+            seen.append([keras.backend.standardize_dtype(t.dtype)
+                         for t in (self.w.value, internals.uncast_value(self.w))])
+            return x
+
+    Probe(dtype="mixed_bfloat16")(np.ones((1, 2), "float32"))
+    assert seen == [["bfloat16", "float32"]]
+
+
+def test_output_specs_sizes_every_call_and_adds_no_node():
+    x = keras.Input((None, 3))
+    dense = keras.layers.Dense(4)
+    y = keras.layers.ReLU()(dense(x))
+    model = keras.Model(x, y)
+    calls = len(dense._inbound_nodes)
+    specs = internals.output_specs(model, [keras.KerasTensor((2, 5, 3))])
+    assert tuple(specs[id(y)].shape) == (2, 5, 4)
+    assert len(dense._inbound_nodes) == calls

@@ -51,10 +51,11 @@ class Mechanism:
         runtime runs them) rather than being the backend's own by name."""
         return True
 
-    def adjust_graph(self, graph, model):
-        """`graph` (a `planner.Graph` of `model`) corrected with what this
-        backend was measured to keep for the backward pass. The default
-        changes nothing."""
+    def adjust_graph(self, graph, model, input_shapes=None):
+        """`graph` (a `planner.Graph` of `model`, at `input_shapes` where the
+        model's own are not concrete) corrected with what this backend was
+        measured to keep for the backward pass. The default changes
+        nothing."""
         return graph
 
     def swap_cost(self, cost):

@@ -10,9 +10,12 @@ from keras_autovm.model_graph.layer_facts import optimizer_state_bytes
 from keras_autovm.model_graph.walk import build_graph
 from keras_autovm.model_graph.walk import call_names
 from keras_autovm.model_graph.walk import functional_of
+from keras_autovm.model_graph.shapes import input_shapes_of
 from keras_autovm.model_graph.walk import layer_calls
+from keras_autovm.model_graph.shapes import needs_input_shapes
 from keras_autovm.model_graph.walk import op_name
 from keras_autovm.model_graph.walk import tag_names
 
-__all__ = ["backward_reads", "build_graph", "call_names", "functional_of", "layer_calls",
-           "op_name", "optimizer_state_bytes", "tag_names"]
+__all__ = ["backward_reads", "build_graph", "call_names", "functional_of",
+           "input_shapes_of", "layer_calls",
+           "needs_input_shapes", "op_name", "optimizer_state_bytes", "tag_names"]

@@ -290,10 +290,12 @@ def _shape(x, batch_size, who):
     shape = tuple(x.shape)
     if any(d is None for d in shape[1:]):
         raise ValueError(
-            f"Layer '{who}' has output shape {shape}: only the batch "
-            "dimension may be unknown. keras_autovm needs concrete sizes; "
-            "build the model with a concrete input shape, e.g. "
-            "`keras.Input(shape=(224, 224, 3))`."
+            f"Layer '{who}' has output shape {shape}: a dimension besides "
+            "the batch is unknown, so its activations cannot be sized. If "
+            "it follows from the input shape, pass that to "
+            "`keras_autovm.plan(..., input_shape=...)` (`AutoVM` reads it "
+            "from the batches `fit` gives); if the layer decides it, give "
+            "the layer a `compute_output_shape`."
         )
     return (batch_size,) + shape[1:] if shape else ()
 

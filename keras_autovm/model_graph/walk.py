@@ -26,6 +26,7 @@ import keras
 
 from keras_autovm import internals
 from keras_autovm.model_graph import layer_facts as facts
+from keras_autovm.model_graph import shapes
 from keras_autovm.planner.graph import Graph
 from keras_autovm.planner.graph import OpSpec
 from keras_autovm.planner.graph import TensorSpec
@@ -89,7 +90,7 @@ def layer_calls(model):
             for node in internals.execution_nodes(functional_of(model))]
 
 
-def build_graph(model, batch_size, optimizer=None, backend=None):
+def build_graph(model, batch_size, optimizer=None, backend=None, input_shapes=None):
     """Builds the planner's `Graph` for one training step of a model.
 
     Args:
@@ -101,6 +102,11 @@ def build_graph(model, batch_size, optimizer=None, backend=None):
         backend: the Keras backend whose gradients to model (only changes
             whether relu reads its input or its output). Defaults to the
             current `keras.backend.backend()`.
+        input_shapes: the shapes of the model's inputs without the batch
+            dimension, needed where they have unknown dimensions (a text
+            model's sequence length): one tuple for a single input, else a
+            list (in `model.inputs` order) or a dict by input name. `None`
+            takes them from the model. Defaults to `None`.
 
     Returns:
         A `keras_autovm.planner.Graph`.
@@ -120,9 +126,11 @@ def build_graph(model, batch_size, optimizer=None, backend=None):
             f"`batch_size` must be a positive integer. Received: batch_size={batch_size}")
     backend = backend or keras.backend.backend()
     fn = functional_of(model)
-    ops, tensors, outputs = _walk(fn, batch_size, backend)
+    specs = shapes.specs(fn, batch_size, input_shapes)
+    ops, tensors, outputs = _walk(fn, batch_size, backend, specs)
     return Graph(ops=tuple(ops), tensors=tuple(tensors),
-                 persistent_bytes=_persistent_bytes(model, fn, batch_size, optimizer),
+                 persistent_bytes=_persistent_bytes(model, fn, batch_size, optimizer,
+                                                    specs),
                  batch_size=batch_size, outputs=outputs)
 
 
@@ -148,21 +156,26 @@ def functional_of(model):
         "(`keras.Model(inputs, outputs)`) or as a `keras.Sequential`.")
 
 
-def _walk(fn, batch_size, backend):
-    """Ops and tensors of one functional graph (recursing into nested ones)."""
+def _walk(fn, batch_size, backend, specs=None):
+    """Ops and tensors of one functional graph (recursing into nested ones).
+
+    `specs` maps `id()` of the graph's symbolic tensors to concrete ones, or
+    is `None` when the graph's own shapes are concrete."""
+    specs = specs or {}
     nodes = internals.execution_nodes(fn)
     calls = {}
     for node in nodes:
         calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
     # Tensor id -> (tag, or None for model inputs, nbytes).
-    known = {id(x): (None, _input_bytes(x, batch_size)) for x in fn.inputs}
+    known = {id(x): (None, _input_bytes(specs.get(id(x), x), batch_size))
+             for x in fn.inputs}
     ops, tensors, seen = [], {}, {}
     for node in nodes:
         layer = node.operation
         call = seen.get(id(layer), 0)
         seen[id(layer)] = call + 1
         ops.append(_add_call(node, op_name(layer, call), calls[id(layer)],
-                             known, tensors, batch_size, backend))
+                             known, tensors, batch_size, backend, specs))
     outputs = tuple(known[id(x)][0] for x in fn.outputs if known[id(x)][0])
     for tag in outputs:
         # The loss reads a model output right after the forward pass.
@@ -173,14 +186,16 @@ def _walk(fn, batch_size, backend):
     return ops, [TensorSpec(**_freeze(t)) for t in tensors.values()], outputs
 
 
-def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
+def _add_call(node, name, num_calls, known, tensors, batch_size, backend, specs):
     """Records one layer call's tensors in `known`/`tensors`; returns its op."""
     layer = node.operation
     # A model built with AutoVMWrapper: classify by the layer inside.
     inner = layer.layer if isinstance(layer, AutoVMWrapper) else layer
     outputs = node.outputs
     out_names = [_tag(name, i, len(outputs)) for i in range(len(outputs))]
-    rules = _rules(layer, inner, num_calls, len(outputs), batch_size, backend)
+    concrete = _Call(node, specs)
+    rules = _rules(layer, inner, num_calls, len(outputs), batch_size, backend,
+                   concrete.input_tensors if specs else None)
     input_names = []
     for x in node.input_tensors:
         tag = known[id(x)][0]
@@ -188,7 +203,7 @@ def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
             input_names.append(tag)
             tensors[tag]["fwd_readers"].append(name)
     for x, tag in zip(outputs, out_names):
-        known[id(x)] = (tag, facts.nbytes(x, batch_size, layer.name))
+        known[id(x)] = (tag, facts.nbytes(specs.get(id(x), x), batch_size, layer.name))
         tensors[tag] = dict(name=tag, nbytes=known[id(x)][1], producer=name,
                             fwd_readers=[], bwd_readers=[], note=rules["note"],
                             can_swap=rules["swap"], can_recompute=rules["recompute"])
@@ -203,7 +218,7 @@ def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
             bwd_readers=[name], can_swap=False, can_recompute=False, internal=True,
             note="nested model's own activations: kept")
     else:
-        flops = facts.flops(inner, node, batch_size)
+        flops = facts.flops(inner, concrete, batch_size)
         mem_bytes = (sum(known[id(x)][1] for x in node.input_tensors + outputs)
                      + facts.weight_bytes(inner))
     args = node.arguments.args
@@ -215,7 +230,7 @@ def _add_call(node, name, num_calls, known, tensors, batch_size, backend):
                   unary=unary)
 
 
-def _rules(layer, inner, num_calls, num_outputs, batch_size, backend):
+def _rules(layer, inner, num_calls, num_outputs, batch_size, backend, inputs=None):
     """Which actions a call's outputs allow, and the notes saying why not."""
     rules = {"swap": True, "recompute": True, "nested": None}
     notes, op_notes = [], []
@@ -234,7 +249,7 @@ def _rules(layer, inner, num_calls, num_outputs, batch_size, backend):
     if isinstance(inner, keras.Model):
         rules["recompute"] = False
         notes.append("nested model: managed as one op, not recomputed")
-        rules["nested"] = _nested(inner, batch_size, backend)
+        rules["nested"] = _nested(inner, batch_size, backend, inputs)
         op_notes.append(rules["nested"][2])
     elif facts.is_random(inner):
         rules["recompute"] = False
@@ -243,10 +258,12 @@ def _rules(layer, inner, num_calls, num_outputs, batch_size, backend):
     return rules
 
 
-def _nested(model, batch_size, backend):
-    """(flops, mem_bytes, note, internal activation bytes) of a nested model."""
+def _nested(model, batch_size, backend, inputs=None):
+    """(flops, mem_bytes, note, internal activation bytes) of a nested model;
+    `inputs`: the concrete specs of its inputs, or `None` (its own serve)."""
     fn = functional_of(model)
-    inner_ops, inner_tensors, _ = _walk(fn, batch_size, backend)
+    specs = internals.output_specs(fn, inputs) if inputs else None
+    inner_ops, inner_tensors, _ = _walk(fn, batch_size, backend, specs)
     inner_outputs = {id(x) for x in fn.outputs}
     output_tags = set()
     for layer, node in layer_calls(model):
@@ -272,12 +289,22 @@ def _tag(prefix, index, num_outputs):
     return prefix if num_outputs == 1 else f"{prefix}:{index}"
 
 
+class _Call:
+    """A layer call's input and output tensors, concrete where `specs` has
+    them (for FLOP counts)."""
+
+    def __init__(self, node, specs):
+        self.operation = node.operation
+        self.input_tensors = [specs.get(id(x), x) for x in node.input_tensors]
+        self.outputs = [specs.get(id(x), x) for x in node.outputs]
+
+
 def _input_bytes(x, batch_size):
     source = internals.producer(x)
     return facts.nbytes(x, batch_size, source.name if source else x.name)
 
 
-def _persistent_bytes(model, fn, batch_size, optimizer):
+def _persistent_bytes(model, fn, batch_size, optimizer, specs=None):
     """Weights, their gradients, optimizer state, inputs and targets."""
     trainable = facts.unique(model.trainable_weights)
     total = sum(facts.variable_bytes(v) for v in facts.unique(model.weights))
@@ -285,8 +312,9 @@ def _persistent_bytes(model, fn, batch_size, optimizer):
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     total += facts.optimizer_state_bytes(optimizer, trainable)
-    total += sum(_input_bytes(x, batch_size) for x in fn.inputs)
+    specs = specs or {}
+    total += sum(_input_bytes(specs.get(id(x), x), batch_size) for x in fn.inputs)
     # Targets are not known before fit: count them as the size of the
     # predictions (an over-estimate for sparse integer labels).
-    total += sum(_input_bytes(x, batch_size) for x in fn.outputs)
+    total += sum(_input_bytes(specs.get(id(x), x), batch_size) for x in fn.outputs)
     return int(total)

@@ -126,7 +126,9 @@ def chain_segments(graph):
     A chain is a maximal run of consecutive ops where each op after the
     first reads exactly one tagged tensor, the only output of the op just
     before it, and nothing else reads that tensor in forward. A tensor that
-    cannot be recomputed ends its chain.
+    cannot be recomputed ends its chain, and its producer stays out of every
+    chain after its first op: replaying a segment reruns all its ops, and a
+    random layer's rerun would draw a new mask.
 
     Args:
         graph: a `Graph`.
@@ -162,7 +164,8 @@ def _chains(graph):
         link = outputs[prev.name]
         linked = (len(link) == 1 and inputs[op.name] == link
                   and tuple(set(tensors[link[0]].fwd_readers)) == (op.name,)
-                  and tensors[link[0]].can_recompute and op.unary)
+                  and tensors[link[0]].can_recompute and op.unary
+                  and all(tensors[t].can_recompute for t in outputs[op.name]))
         if linked:
             chains[-1].append(op.name)
         else:

@@ -7,6 +7,7 @@ reader has run."""
 import dataclasses
 import functools
 
+import keras
 import torch
 
 from keras_autovm.mechanisms.base import Mechanism
@@ -36,11 +37,11 @@ class TorchMechanism(Mechanism):
     def actions(self):
         return ("keep", "swap", "recompute")
 
-    def adjust_graph(self, graph, model):
+    def adjust_graph(self, graph, model, input_shapes=None):
         """Backward readers and layer internals as measured (`profile.py`)."""
-        key = id(model)
+        key = (id(model), input_shapes)
         if self._profiles.get(key, (None,))[0] is not model:
-            self._profiles[key] = (model, profile.measure(model))
+            self._profiles[key] = (model, profile.measure(model, input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
 
     def swap_cost(self, cost):
@@ -95,7 +96,7 @@ class TorchMechanism(Mechanism):
         def call_with_hooks(inputs, *args, **kwargs):
             if not kwargs.get("training"):
                 return call(inputs, *args, **kwargs)
-            self._step = self._new_step(runtime.plan_for_inputs(inputs), model)
+            self._step = self._new_step(runtime.plan_for_inputs(inputs), model, inputs)
             hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack,
                                                              self._step.unpack)
             try:
@@ -113,7 +114,7 @@ class TorchMechanism(Mechanism):
             self._step.layer_done(name, outputs)
         return outputs
 
-    def _new_step(self, applied, model):
+    def _new_step(self, applied, model, inputs):
         if applied not in self._layouts:
             self._layouts[applied] = swap.Layout(applied)
         layout = self._layouts[applied]
@@ -124,4 +125,5 @@ class TorchMechanism(Mechanism):
         self._pool.used = 0
         if self.gpu_available() and self._stream is None:
             self._stream = torch.cuda.Stream()
-        return swap.Step(layout, self._pool, self._stream, self.stats, model.variables)
+        return swap.Step(layout, self._pool, self._stream, self.stats, model.variables,
+                         keras.tree.flatten(inputs))

@@ -57,9 +57,16 @@ def _line(b0, y0, b1, y1):
     return (y0 - slope * b0, slope)
 
 
-def measure(model):
-    """Maps op name to `Saved` for every layer call of `model`."""
-    (b0, first), (b1, second) = zip(SIZES, [_run(model, size) for size in SIZES])
+def measure(model, input_shapes=None):
+    """Maps op name to `Saved` for every layer call of `model`, run on
+    inputs of `input_shapes` (one tuple per input, without the batch) or
+    of the model's own shapes."""
+    # Layers that draw from torch's global generator (unseeded dropout) must
+    # draw in training what they would have drawn without the profile.
+    devices = list(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=devices):
+        (b0, first), (b1, second) = zip(SIZES, [_run(model, size, input_shapes)
+                                                  for size in SIZES])
     profile = {}
     for name, (tags, nbytes, transient) in first.items():
         tags2, nbytes2, transient2 = second[name]
@@ -97,13 +104,14 @@ def adjust(graph, profile):
                                for t in graph.tensors) + tuple(extra))
 
 
-def _run(model, batch_size):
+def _run(model, batch_size, input_shapes):
     """{op name: (saved input/output tags, bytes of other saved tensors,
     transient bytes)}."""
     calls = call_names(model)
     fn = internals.functional_of(model)
-    inputs = [keras.ops.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype)
-              for x in fn.inputs]
+    shapes = input_shapes or [tuple(x.shape[1:]) for x in fn.inputs]
+    inputs = [keras.ops.zeros((batch_size,) + tuple(shape), x.dtype)
+              for x, shape in zip(fn.inputs, shapes)]
     # Storage -> tag; None for model inputs and variables (views of them too).
     owner = {_key(x): None for x in inputs}
     owner.update({weight_key(v): None for v in model.variables})

@@ -37,6 +37,8 @@ import weakref
 import keras
 import torch
 
+from keras_autovm import internals
+
 # Saved tensors smaller than this stay with autograd: not worth a copy.
 MIN_BYTES = 1 << 20
 _ALIGN = 512
@@ -44,7 +46,7 @@ _ALIGN = 512
 
 def weight_key(variable):
     """The storage key of a Keras variable's tensor."""
-    return keras.ops.convert_to_tensor(variable.value).untyped_storage().data_ptr()
+    return internals.uncast_value(variable).untyped_storage().data_ptr()
 
 
 class HostPool:
@@ -115,10 +117,13 @@ class Layout:
 class Step:
     """Frees, swaps and brings back layer outputs for one training step."""
 
-    def __init__(self, layout, pool, copy_stream, stats, weights):
+    def __init__(self, layout, pool, copy_stream, stats, weights, inputs=()):
         self.layout, self.pool, self.stream, self.stats = layout, pool, copy_stream, stats
-        # Storages of the model's variables: saved views of them are left be.
-        self.weights = {weight_key(v) for v in weights}
+        # Storages of the model's variables and of the batch: saved views of
+        # them are left be (later layers may read the batch; on a CPU it can
+        # be the caller's NumPy memory, which cannot be freed).
+        self.weights = {weight_key(v) for v in weights} | {
+            x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         self.keys = {}  # tag -> storage key
         self.storages = {}  # key -> storage, until freed
         self.sharers = collections.defaultdict(set)  # key -> tags on it
