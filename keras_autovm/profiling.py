@@ -29,6 +29,7 @@ from keras_autovm.model_graph import build_graph
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.model_graph import layer_facts
+from keras_autovm.model_graph import needs_input_shapes
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
@@ -348,6 +349,12 @@ def for_fit(setting, model, batch_size, mechanism, verbose=0, limit_bytes=None):
         warnings.warn("AutoVM could not tell the batch size before training, so "
                       "it plans with roofline estimates instead of measured "
                       "layer times. Pass AutoVM(batch_size=...) to measure.",
+                      stacklevel=3)
+        return None, "off"
+    if needs_input_shapes(model):
+        warnings.warn("AutoVM times layers at fixed input shapes, and this model's "
+                      "inputs have unknown dimensions besides the batch, so it plans "
+                      "with roofline estimates. Pass AutoVM(profile=None) to say so.",
                       stacklevel=3)
         return None, "off"
     try:

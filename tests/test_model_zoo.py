@@ -159,3 +159,18 @@ def test_each_sequence_length_gets_its_own_plan():
     nbytes = [p.graph.tensor_map["block0_ff1"].nbytes for p in (short, long)]
     assert nbytes[1] == 2 * nbytes[0]
     assert runtime.plan_for_inputs(np.zeros((8, 10), "int32")).plan is short
+
+
+def test_layers_of_a_model_with_unknown_dimensions_are_not_timed():
+    keras.utils.set_random_seed(7)
+    model, tokens, y, loss = ZOO["backbone"]()
+    model.compile(optimizer="sgd", loss=loss)
+    callback = keras_autovm.AutoVM(budget="1GiB", policy="sqrt_recompute", verbose=0,
+                                   apply_without_gpu=True, profile="auto")
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        model.fit(tokens, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert sum("unknown dimensions" in str(w.message) for w in caught) == 1
+    assert callback.measured is None
+    assert callback.report.plan.cost_source().startswith("compute roofline")
