@@ -93,8 +93,8 @@ def test_subclassed_model_trains_unchanged_with_one_line(references):
 # What each model has that AutoVM keeps, and the words of its one-line note.
 KEPT = {
     "cnn_bn_dropout": ("drop", "random layer"),
-    "shared_layer": ("shared@1", "shared layer called 2 times: kept"),
-    "nested": ("inner:internal", "nested model's own activations: kept"),
+    "shared_layer": ("shared@1", "shared layer called 2 times"),
+    "nested": ("inner:internal", "nested model's own activations"),
     "backbone": ("embeddings_dropout", "random layer"),
 }
 
