@@ -85,13 +85,13 @@ def test_every_constructor_wraps_and_plans(shapes_only, name):
 
 
 def _fit(model, callbacks=()):
-    # A small step: batch norm at batch 2 on random labels makes large
-    # gradients, which would amplify rounding into large differences.
+    # A small step, and batches of 4: batch norm over 2 samples on random
+    # labels makes large gradients, which amplify rounding.
     model.compile(optimizer=keras.optimizers.SGD(1e-3),
                   loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(4, 32, 32, 3)).astype("float32")
-    model.fit(x, rng.integers(0, 4, size=(4,)), batch_size=2, epochs=1,
+    x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
+    model.fit(x, rng.integers(0, 4, size=(8,)), batch_size=4, epochs=1,
               shuffle=False, verbose=0, callbacks=list(callbacks))
     return model
 
@@ -99,9 +99,9 @@ def _fit(model, callbacks=()):
 @pytest.mark.parametrize("name", ["MobileNet", "MobileNetV3Small"])
 def test_small_application_trains_like_keras_own(name, request):
     if BACKEND == "tensorflow":
-        # Known issue (docs/limitations.md): both change weights by up to
-        # 6e-4 after two steps at a learning rate of 1e-3, under
-        # sqrt_recompute and offload_all alike; keep_all does not.
+        # Known issue (docs/limitations.md): on TensorFlow both train to
+        # other weights (MobileNet 1.1e-2 away), under sqrt_recompute and
+        # offload_all alike; keep_all does not.
         request.applymarker(pytest.mark.xfail(strict=True, reason="known issue"))
     policy = "sqrt_recompute"
     keras.utils.set_random_seed(3)
