@@ -6,16 +6,16 @@ backend, architecture and batch size were measured before, else measured now
 (`measure`) and cached. Measuring runs the model's forward pass once on zeros
 of the input shapes, layer call by layer call; at each call it has the
 backend's mechanism time that call's forward and backward a few times
-(`Mechanism.time_call`), once per distinct call (class, settings, shapes). Nothing changes: the pass runs under a
+(`Mechanism.time_call`), once per distinct call (class, settings, shapes:
+`profile_cache.call_key`). Nothing changes: the pass runs under a
 `keras.StatelessScope`, and the timed calls through `stateless_call`.
+Which profile a model has, and where it is cached, is `profile_cache.py`'s.
 
 A layer's recompute cost is its forward time: a replay runs the same call
 under a `keras.StatelessScope` too.
 """
 
 import dataclasses
-import hashlib
-import inspect
 import json
 import os
 import time
@@ -30,12 +30,14 @@ from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.model_graph import layer_facts
 from keras_autovm.model_graph import needs_input_shapes
+# `fingerprint` is part of this module's API: a profile records it.
+from keras_autovm.profile_cache import cache_path
+from keras_autovm.profile_cache import call_key
+from keras_autovm.profile_cache import fingerprint
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
 _FORMAT = 1
-# Layer attributes that are state, not architecture.
-_STATE = ("built", "training", "name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,79 +126,6 @@ class Profile:
                                    h2d_bytes_per_s=h2d * 1e9, link_measured=True)
 
 
-def fingerprint(model):
-    """A stable hash of a model's architecture: each layer call's class,
-    settings, weight shapes and input and output shapes and dtypes, in run
-    order.
-
-    Names are left out: the same model built again in one process gets new
-    automatic layer names (`conv2d_1`, ...). A layer's settings are its
-    public attributes of plain types (strides, padding, rates, the
-    activation's name), not `get_config()`, whose serialisation imports
-    TensorFlow on every backend.
-    """
-    text = json.dumps([_call_key(layer, node) for layer, node in layer_calls(model)])
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def _call_key(layer, node):
-    """What decides one layer call's time: class, settings, shapes."""
-    return json.dumps([type(layer).__name__, _settings(layer),
-                       [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", ())],
-                       [(tuple(x.shape), str(x.dtype)) for x in node.input_tensors],
-                       [(tuple(x.shape), str(x.dtype)) for x in node.outputs]],
-                      sort_keys=True)
-
-
-def _settings(layer, depth=0):
-    """A layer's plain settings, its `trainable` flag (a frozen layer has no
-    weight gradients to time), and the settings of layers it holds."""
-    plain = (bool, int, float, str, type(None))
-    found = {"trainable": bool(layer.trainable)}
-    for key, value in vars(layer).items():
-        if key.startswith("_") or key in _STATE:
-            continue
-        if inspect.isfunction(value):
-            value = _function_key(value)  # An activation, a Lambda's body.
-        if isinstance(value, plain) or (isinstance(value, (tuple, list))
-                                          and all(isinstance(v, plain) for v in value)):
-            found[key] = value
-    held = internals.sublayers(layer)
-    if held:
-        found["held layers"] = [_held(v, depth) for v in held]
-    return found
-
-
-def _held(layer, depth):
-    if depth >= 4:  # Deep enough to tell custom blocks apart.
-        return type(layer).__name__
-    return [type(layer).__name__, _settings(layer, depth + 1)]
-
-
-def _function_key(function):
-    """A function by name and code: two lambdas differ by their bodies."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return f"{function.__module__}.{function.__qualname__}"
-    # Nested code objects' reprs hold addresses, which change per process.
-    consts = [c for c in code.co_consts if not inspect.iscode(c)]
-    body = hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:12]
-    return f"{function.__module__}.{function.__qualname__}:{body}"
-
-
-def cache_dir():
-    """Where profiles are cached: `$KERAS_AUTOVM_CACHE_DIR`, else
-    `~/.cache/keras_autovm/profiles`."""
-    return os.environ.get("KERAS_AUTOVM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "keras_autovm", "profiles")
-
-
-def cache_path(device, backend, model_fingerprint, batch_size):
-    """The cache file of one (device, backend, model, batch size)."""
-    key = hashlib.sha256(f"{device}|{backend}".encode()).hexdigest()[:12]
-    return os.path.join(cache_dir(), f"{backend}-{key}-{model_fingerprint}-b{batch_size}.json")
-
-
 def timing_batch(model, batch_size, limit_bytes):
     """The batch size to time `model`'s layers at under `limit_bytes`.
 
@@ -266,7 +195,7 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
     inputs = [keras.ops.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype)
               for x in fn.inputs]
     # Identical calls (the repeated blocks of a ResNet) are timed once.
-    keys = [_call_key(layer, node) for layer, node in layer_calls(model)]
+    keys = [call_key(layer, node) for layer, node in layer_calls(model)]
     found, timed = [], {}
 
     def around(operation, run, args, kwargs):
