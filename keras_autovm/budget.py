@@ -131,9 +131,11 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             f"cannot carry out on the {keras.backend.backend()} backend (it can "
             f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     limit = int(budget_bytes * (1 - headroom) / memory_scale)
+    cost = dataclasses.replace(mechanism.swap_cost(cost),
+                               replay_segments=mechanism.replays_segments)
     try:
-        plan = planner.make_plan(graph, limit, policy=policy,
-                                 cost=mechanism.swap_cost(cost), allowed=allowed)
+        plan = planner.make_plan(graph, limit, policy=policy, cost=cost,
+                                 allowed=allowed)
     except planner.PlanError as error:
         if not headroom and memory_scale == 1.0:
             raise

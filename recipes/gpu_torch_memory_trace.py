@@ -30,6 +30,11 @@ def main():
     parser.add_argument("--snapshot-at", default="step_begin:",
                         help="comma-separated kind:op points at which to list the "
                         "live allocations by the code that made them")
+    parser.add_argument("--cap-gib", type=float, default=0.0,
+                        help="cap torch's allocator at this many GiB and plan within "
+                        "it (AutoVM's budget); 0: no cap, no budget")
+    parser.add_argument("--trace-step", type=int, default=1,
+                        help="which training step to trace (0: the first)")
     args = parser.parse_args()
     wanted = set(args.snapshot_at.split(","))
     snapshots = {}
@@ -67,7 +72,7 @@ def main():
 
     class Second(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            state["on"] = batch == 1
+            state["on"] = batch == args.trace_step
             if state["on"]:
                 torch.cuda.memory._record_memory_history(max_entries=200000)
                 torch.cuda.synchronize()
@@ -85,9 +90,18 @@ def main():
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(0).normal(size=(args.batch * 2, 224, 224, 3)).astype("float32")
     y = np.random.default_rng(1).integers(0, 1000, args.batch * 2)
-    callback = keras_autovm.AutoVM(budget=None, policy=args.policy, verbose=0)
-    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[callback, Second()])
+    budget = None
+    if args.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
+        budget = int(args.cap_gib * 2**30)
+    callback = keras_autovm.AutoVM(budget=budget, policy=args.policy, verbose=0)
+    error = None
+    try:
+        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[callback, Second()])
+    except torch.cuda.OutOfMemoryError as e:  # Still write what was traced.
+        error = f"{type(e).__name__}: {str(e)[:300]}"
     plan = callback.plan
     predicted = predicted_points(plan)
     for point in trace:
@@ -97,7 +111,8 @@ def main():
            "predicted_peak": plan.result.peak_bytes, "counts": plan.counts(),
            "persistent_bytes": plan.graph.persistent_bytes, "trace": trace,
            "snapshots": snapshots,
-           "stats": callback.report.stats}
+           "cap_gib": args.cap_gib, "error": error,
+           "stats": callback.report.stats if callback.report else None}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f)

@@ -134,3 +134,41 @@ def test_profile_leaves_the_global_generator_alone():
     # A draw from torch's generator during measuring would shift the
     # numbers that training (dropout, shuffling) draws afterwards.
     assert torch.equal(torch.rand(4), expected)
+
+
+class _Event:
+    """Stands in for a CUDA event (no GPU here): done when told."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_swapped_storage_is_held_until_its_copy_is_done():
+    # Freed at once, the allocator would count the block as free while the
+    # copy to host still reads it: the measured peak would hide it.
+    import torch
+
+    from keras_autovm.mechanisms.torch import swap
+
+    class Layout:
+        max_in_flight = None
+
+    step = swap.Step(Layout(), None, None, {"bytes_freed_early": 0}, [])
+    tensor = torch.ones(1 << 20)
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    event = _Event()
+    step.storages[key] = storage
+    step.copies[key] = swap.Copy(torch.empty(storage.nbytes(), dtype=torch.uint8),
+                                 storage.nbytes(), tensor.device, event)
+    step._free(key)
+    assert storage.nbytes() == 4 << 20
+    step.reap()
+    assert storage.nbytes() == 4 << 20
+    event.done = True
+    step.reap()
+    assert storage.nbytes() == 0
+    assert not step.held

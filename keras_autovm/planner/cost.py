@@ -42,6 +42,12 @@ class CostModel:
             bytes, or `None`. Defaults to `None`.
         link_measured: whether the copy bandwidths were measured on this
             machine (shown in plan summaries). Defaults to `False`.
+        replay_segments: whether the backend recomputes a chain of
+            recomputed tensors by replaying the whole chain at its first
+            backward use (torch's and TensorFlow's checkpointing, which
+            then hold everything the chain's ops save until each op's
+            backward), rather than one tensor at a time as it is needed
+            (XLA). Defaults to `False`.
     """
 
     flops_per_s: float = 40e12
@@ -53,6 +59,7 @@ class CostModel:
     time_scale: float = 1.0
     max_in_flight_bytes: float = None
     link_measured: bool = False
+    replay_segments: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "mem_bytes_per_s", "d2h_bytes_per_s",

@@ -126,7 +126,7 @@ class _Search:
         chosen = self.chosen if chosen is None else chosen
         ahead = self.ahead if ahead is None else ahead
         actions = self.actions(chosen)
-        first = first_backward_use(self.graph, actions)
+        first = first_backward_use(self.graph, actions, self.cost.replay_segments)
         last = len(self.graph.ops) - 1
         prefetch = {}
         for t, a in actions.items():

@@ -89,17 +89,17 @@ def sqrt_offload(graph, cost, budget):
     """
     segments = chain_segments(graph)
     actions = _segment_actions(graph, segments)
-    needed = first_backward_use(graph, actions)
+    needed = first_backward_use(graph, actions, cost.replay_segments)
     for t in graph.tensors:
         kept = t.name not in actions and t.name in needed
         if kept and t.can_swap and t.nbytes:
             actions[t.name] = "swap"
     return _finish(graph, cost, budget, "sqrt_offload", actions,
-                   prefetch_ahead(graph, actions, 1), segments=segments,
-                   uses=("swap", "recompute"))
+                   prefetch_ahead(graph, actions, 1, cost.replay_segments),
+                   segments=segments, uses=("swap", "recompute"))
 
 
-def prefetch_ahead(graph, actions, k):
+def prefetch_ahead(graph, actions, k, replay=False):
     """Prefetch triggers `k` ops ahead of each swapped tensor's first use.
 
     Args:
@@ -107,11 +107,13 @@ def prefetch_ahead(graph, actions, k):
         actions: dict tensor name -> action.
         k: how many ops before the first backward use (in backward order)
             the copy back starts; clamped to the last op.
+        replay: whether recompute replays whole chains
+            (`CostModel.replay_segments`).
 
     Returns:
         Dict swapped tensor name -> op name.
     """
-    first = first_backward_use(graph, actions)
+    first = first_backward_use(graph, actions, replay)
     last = len(graph.ops) - 1
     return {
         name: graph.ops[min(first[name] + k, last)].name

@@ -14,7 +14,7 @@ import collections
 from .graph import ACTIONS
 
 
-def first_backward_use(graph, actions):
+def first_backward_use(graph, actions, replay=False):
     """Where each tensor is first needed in backward under `actions`.
 
     Policies use it to place prefetches: the answer accounts for
@@ -24,6 +24,8 @@ def first_backward_use(graph, actions):
     Args:
         graph: a `Graph`.
         actions: dict tensor name -> action, as for `simulate`.
+        replay: whether recompute replays whole chains
+            (`CostModel.replay_segments`).
 
     Returns:
         Dict tensor name -> forward index of the op whose backward (or the
@@ -32,7 +34,7 @@ def first_backward_use(graph, actions):
     """
     ix = index(graph)
     check_actions(ix, dict(actions))
-    sched = schedule(ix, dict(actions))
+    sched = schedule(ix, dict(actions), replay)
     return {t: sched.group[pos[0]] for t, pos in sched.uses.items() if pos}
 
 
@@ -113,19 +115,44 @@ Schedule = collections.namedtuple(
 )
 
 
-def schedule(ix, actions):
+def schedule(ix, actions, replay=False):
     """`_schedule`, remembered for the last few action sets of a graph.
 
     Policies ask for the same actions twice in a row (where to prefetch,
     then the simulation); the result is never changed by its users.
     """
-    key = frozenset((t, a) for t, a in actions.items() if a != "keep")
+    key = (frozenset((t, a) for t, a in actions.items() if a != "keep"), replay)
     hit = ix.schedules.get(key)
     if hit is None:
         if len(ix.schedules) >= 4:
             ix.schedules.pop(next(iter(ix.schedules)))
-        hit = ix.schedules[key] = _schedule(ix, actions)
+        hit = ix.schedules[key] = _schedule(ix, actions, replay)
     return hit
+
+
+def replay_chains(ix, actions):
+    """Op index -> the ops (forward order) replayed together with it.
+
+    A backend that checkpoints a chain of layers replays the whole chain
+    at its first backward use: the ops linked by recomputed tensors (a
+    producer and its forward readers), with everything they save.
+    """
+    parent = list(range(ix.n))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for name, action in actions.items():
+        if action == "recompute":
+            for r in ix.fwd[name]:
+                parent[root(r)] = root(ix.producer[name])
+    groups = collections.defaultdict(list)
+    for i in range(ix.n):
+        groups[root(i)].append(i)
+    return {i: tuple(g) for g in groups.values() if len(g) > 1 for i in g}
 
 
 def times(ix, graph, cost):
@@ -139,7 +166,7 @@ def times(ix, graph, cost):
     return hit
 
 
-def _schedule(ix, actions):
+def _schedule(ix, actions, replay=False):
     """Orders the compute stream and records backward uses.
 
     Returns a `Schedule`: `items` is a list of (phase, op index); `group[p]`
@@ -147,7 +174,8 @@ def _schedule(ix, actions):
     `group_start[i]` and `bwd_pos[i]` the positions where op i's backward
     group and backward item start; `uses` maps kept/swapped tensors to the
     positions that read them in backward; `redo` lists recomputed tensors
-    as `[name, first_pos, last_pos]`.
+    as `[name, first_pos, last_pos]`. With `replay`, a recomputed tensor
+    brings back the whole chain it belongs to (`replay_chains`).
     """
     n = ix.n
     items = [("fwd", i) for i in range(n)]
@@ -177,7 +205,49 @@ def _schedule(ix, actions):
         live[name] = redo[-1]
         dies.setdefault(until, []).append(name)
 
+    chains = replay_chains(ix, actions) if replay else {}
+    made = collections.defaultdict(list)  # Op index -> its recomputed tensors.
+    for t, action in actions.items():
+        if action == "recompute":
+            made[ix.producer[t]].append(t)
+
+    replayed, tails = set(), {}
+
+    def replay_chain(ops, i):
+        replayed.add(ops)
+        for p in ops:
+            wanted = [t for t in made[p] if t not in live]
+            if wanted:
+                recompute(wanted[0], i)
+            elif p == ops[-1] and p == i:
+                replay_tail(p, i)
+            for t in wanted[1:]:  # Made by the same replay of op p.
+                redo.append([t, redo[-1][1], redo[-1][2]])
+                live[t] = redo[-1]
+                until = min((r for r in ix.bwd[t] if r <= i), default=i)
+                dies.setdefault(until, []).append(t)
+
+    def replay_tail(p, i):
+        # The chain's last op runs again too, and what it saves of its own
+        # output is made again beside the output it keeps, until its backward.
+        pos = len(items)
+        items.append(("recompute", p))
+        group.append(i)
+        for s in ix.inputs[p]:
+            use(s, pos)
+        for t in ix.outputs[p]:
+            if p in ix.bwd[t] and actions.get(t, "keep") != "recompute":
+                redo.append([t, pos, pos])
+                tails.setdefault(i, []).append(redo[-1])
+
     def ensure(name, i):
+        if name in live or actions.get(name) != "recompute":
+            return
+        chain = chains.get(ix.producer[name])
+        if chain and chain not in replayed:
+            # The chain's inputs from outside it are read by the replay.
+            replay_chain(chain, i)
+            return
         # Depth-first without recursion: recomputed chains can be long.
         stack = [(name, False)]
         while stack:
@@ -196,6 +266,8 @@ def _schedule(ix, actions):
         for t in ix.bwd_inputs[i]:
             ensure(t, i)
         bwd_pos[i] = len(items)
+        for entry in tails.pop(i, ()):
+            entry[2] = bwd_pos[i]
         items.append(("bwd", i))
         group.append(i)
         for t in ix.bwd_inputs[i]:

@@ -25,7 +25,16 @@ buffers and the workspace of the running op:
   is still to run, or, if none, just until the recomputation that needed it.
 - The gradient buffer of a tensor (same size) is allocated when the
   backward of its last forward reader starts (its producer's, for a model
-  output) and freed when its producer's backward ends.
+  output) and freed when its producer's backward ends. Tensors a layer
+  saves inside itself (`internal`) have none.
+- An op's workspace is held while it runs. A measured one is what the op
+  allocated above the larger of the memory before and after it, so in
+  backward the memory while it runs is that larger figure plus the
+  workspace.
+- With `cost.replay_segments`, a recomputed tensor is made again with the
+  whole chain of ops linked by recomputed tensors (what torch and
+  TensorFlow checkpointing do), its last op included, each tensor living
+  to its last backward reader.
 """
 
 import bisect
@@ -106,7 +115,7 @@ def simulate(graph, actions=None, prefetch=None, cost=None):
     cost = cost or CostModel()
     ix = index(graph)
     check_actions(ix, actions)
-    sched = schedule(ix, actions)
+    sched = schedule(ix, actions, cost.replay_segments)
     triggers = _triggers(ix, sched, actions, prefetch or {})
     streams = _run(ix, graph, sched, actions, triggers, cost)
     events = _memory_events(ix, graph, sched, streams, actions)
@@ -209,11 +218,14 @@ def _memory_events(ix, graph, sched, st, actions):
     """
     events = []
     starts, ends = st.starts, st.ends
+    born_at, dies_at = collections.Counter(), collections.Counter()
 
     def span(key, nbytes, born, dies):
         if nbytes:
             events.append((born[0], born[1], nbytes, key))
             events.append((dies[0], dies[1], -nbytes, key))
+            born_at[born] += nbytes
+            dies_at[dies] += nbytes
 
     def start(pos):
         return (starts[pos], 3 * pos + 1)
@@ -241,15 +253,25 @@ def _memory_events(ix, graph, sched, st, actions):
             if uses:
                 back = at(st.h2d[name][0])
                 span(("activation", name), nbytes, back, end(uses[-1]))
+        if ix.spec[name].internal:
+            continue  # Saved inside a layer: no gradient flows to it.
         fwd = ix.fwd[name]
         reader = fwd[-1] if fwd else ix.producer[name]
         span(("gradient", name), nbytes, start(sched.bwd_pos[reader]),
              end(sched.bwd_pos[ix.producer[name]]))
     for name, first, last in sched.redo:
         span(("activation", name), ix.nbytes[name], start(first), end(last))
-    for pos, (_, i) in enumerate(sched.items):
+    for pos, (phase, i) in enumerate(sched.items):
         op = graph.ops[i]
-        span(("workspace", op.name), op.workspace_bytes, start(pos), end(pos))
+        extra = op.workspace_bytes
+        if phase == "bwd" and extra:
+            # A measured workspace is the most allocated above the larger of
+            # the memory before and after the op. Here the input gradients
+            # are born at its start and what it frees dies at its end, so
+            # the overlap of the two comes off (the span may be negative):
+            # in the op, memory is max(before, after) + workspace.
+            extra -= min(born_at[start(pos)], dies_at[end(pos)])
+        span(("workspace", op.name), extra, start(pos), end(pos))
     events.sort()
     return events
 
@@ -303,6 +325,6 @@ def _live_at(base, events, k):
     live = collections.Counter()
     for _, _, delta, key in events[: k + 1]:
         live[key] += delta
-    found = [(kind, name, n) for (kind, name), n in live.items() if n]
+    found = [(kind, name, n) for (kind, name), n in live.items() if n > 0]
     found.sort(key=lambda x: (-x[2], x[0], x[1]))
     return tuple([("persistent", "", base)] if base else []) + tuple(found)

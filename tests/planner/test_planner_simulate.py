@@ -291,3 +291,50 @@ def test_in_flight_bound_makes_the_forward_wait_for_copies_out():
     assert held.step_time > free.step_time
     with pytest.raises(ValueError, match="max_in_flight_bytes"):
         CostModel(max_in_flight_bytes=0)
+
+
+def test_internal_tensors_have_no_gradient():
+    # o1 saves 50 bytes inside itself for its backward: no gradient flows
+    # to them, so none is allocated.
+    ops = (op("o0"), op("o1"))
+    tensors = (tensor("t0", 10, "o0", ("o1",), ("o1",)),
+               tensor("o1:saved", 50, "o1", (), ("o1",), internal=True),
+               tensor("t1", 1, "o1"))
+    r = simulate(Graph(ops, tensors))
+    assert not [x for x in r.peak_live if x[0] == "gradient" and x[1] == "o1:saved"]
+    # bwd o1 [2,4]: t0 + o1:saved + g(t1) + g(t0).
+    assert memory_at(r, 3.0) == 10 + 50 + 1 + 10
+
+
+def test_backward_workspace_sits_above_the_larger_end():
+    # bwd o1: before = t0 = 100 (the output's gradient is born with the
+    # backward); after = g(t0) = 100. A measured workspace of 50 above the
+    # larger end: 150 while it runs, not t0 + g(t1) + g(t0) + 50 = 251.
+    ops = (op("o0"), op("o1", workspace_bytes=50))
+    tensors = (tensor("t0", 100, "o0", ("o1",), ("o1",)), tensor("t1", 1, "o1"))
+    r = simulate(Graph(ops, tensors))
+    assert memory_at(r, 2.5) == 150
+    assert memory_at(r, 1.5) == 100 + 1 + 50  # Forward: as measured.
+    assert r.peak_bytes == 151
+
+
+def test_replayed_chain_brings_back_everything_it_saves_at_once():
+    # o0 -> t0 -> o1 -> t1 -> o2 -> t2 -> o3; t0, t1 recomputed. XLA makes
+    # each again when needed; a checkpointed chain (torch, TensorFlow)
+    # replays o0..o2 at o2's backward, t0 and t1 at once, and o2 again with
+    # it: what o2 saves of its own output (t2, read by its backward) is
+    # made a second time until o2's backward ends.
+    ops = tuple(op(f"o{i}") for i in range(4))
+    tensors = (tensor("t0", 100, "o0", ("o1",), ("o1",)),
+               tensor("t1", 10, "o1", ("o2",), ("o2",)),
+               tensor("t2", 1000, "o2", ("o3",), ("o2", "o3")),
+               tensor("t3", 1, "o3"))
+    actions = {"t0": "recompute", "t1": "recompute"}
+    lazy = simulate(Graph(ops, tensors), actions)
+    replay = simulate(Graph(ops, tensors), actions, cost=CostModel(replay_segments=True))
+    assert [e.op for e in lazy.op_events if e.phase == "recompute"] == ["o0", "o1"]
+    assert [e.op for e in replay.op_events if e.phase == "recompute"] == ["o0", "o1", "o2"]
+    # bwd o2: t2 twice, t0 and t1, g(t2) and g(t1).
+    bwd_o2 = next(e for e in replay.op_events if e.op == "o2" and e.phase == "bwd")
+    assert memory_at(replay, bwd_o2.start) == 2000 + 100 + 10 + 1000 + 10
+    assert replay.peak_bytes == lazy.peak_bytes + 1000

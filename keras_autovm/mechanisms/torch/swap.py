@@ -14,11 +14,14 @@ that are no layer output:
 
 - after its producer runs, the storage is copied into a slice of one pinned
   host buffer (`HostPool`, allocated once per fit) on a dedicated copy
-  stream ordered after the compute stream; `record_stream` keeps the
-  allocator from reusing the GPU block before the copy is done;
+  stream ordered after the compute stream;
 - after its last forward reader (for a layer's own saved tensors: at once),
   what autograd saved of it points at the host copy, and the GPU storage is
-  freed;
+  freed as soon as the copy is done (checked before each layer, forward and
+  backward). It is held until then rather than freed at once with only
+  `record_stream` to protect it: the allocator would count the block as
+  free while it cannot reuse it, so the measured peak would hide memory the
+  step needs;
 - in backward, the copy back starts when the gradient reaches the output of
   the plan's prefetch op (a tensor hook), or at the latest when autograd
   unpacks the tensor; the compute stream waits for it there;
@@ -134,6 +137,7 @@ class Step:
         self.done = set()  # tags past their last forward reader
         self.cursor = 0
         self.in_flight = collections.deque()  # (event, nbytes)
+        self.held = collections.deque()  # (event, storage): freed once copied
 
     # ------------------------------------------------- autograd's hooks
 
@@ -149,6 +153,7 @@ class Step:
         return handle
 
     def unpack(self, handle):
+        self.reap()
         if not isinstance(handle, Saved):
             return handle
         if handle.tensor is not None:
@@ -222,7 +227,9 @@ class Step:
                 host.copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            flat.record_stream(self.stream)  # No reuse before the copy ends.
+            # A safety net: should the step die with a storage still held,
+            # the allocator does not reuse the block before the copy ends.
+            flat.record_stream(self.stream)
             self.in_flight.append((event, storage.nbytes()))
         else:
             host.copy_(flat)
@@ -251,8 +258,16 @@ class Step:
             handle.tensor, handle.copy = None, copy
         storage = self.storages.pop(key)
         self.stats["bytes_freed_early"] += storage.nbytes()
-        storage.resize_(0)
         self.saved_keys.discard(key)
+        if copy is not None and copy.d2h is not None and not copy.d2h.query():
+            self.held.append((copy.d2h, storage))  # The copy still reads it.
+        else:
+            storage.resize_(0)
+
+    def reap(self):
+        """Frees the held storages whose copies to host are done."""
+        while self.held and self.held[0][0].query():
+            self.held.popleft()[1].resize_(0)
 
     def _bound_in_flight(self):
         while self.in_flight and self.in_flight[0][0].query():
@@ -260,6 +275,7 @@ class Step:
         limit = self.layout.max_in_flight
         while limit is not None and sum(n for _, n in self.in_flight) > limit:
             self.in_flight.popleft()[0].synchronize()
+        self.reap()
 
     # ------------------------------------------------------- the backward
 
