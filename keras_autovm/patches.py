@@ -24,6 +24,7 @@ import functools
 import keras
 
 from keras_autovm import internals
+from keras_autovm import oom
 from keras_autovm.model_graph import tag_names
 from keras_autovm.wrapper import AutoVMWrapper
 
@@ -168,14 +169,14 @@ def _wrap_layer(layer, sources):
 def _hook_train_step(model, runtime, patches):
     """Plans for each batch's size before any layer runs, so that an error
     (a budget no plan meets) surfaces as itself, not re-wrapped by Keras's
-    layer-call error handling."""
+    layer-call error handling; a plan's first step that runs out of device
+    memory is replanned and run again where the backend allows (`oom`)."""
     original = type(model).train_step.__get__(model)
 
     @functools.wraps(original)
     def train_step(*args):
         # JAX passes (state, data), TensorFlow and torch (data).
         x, _, _ = keras.utils.unpack_x_y_sample_weight(args[-1])
-        runtime.plan_for_inputs(x)
-        return original(*args)
+        return oom.run_step(runtime, model, original, args, x)
 
     patches.set(model, "train_step", train_step)

@@ -36,6 +36,8 @@ class Runtime:
         self._applied = {}  # (batch size, input shapes or None) -> AppliedPlan
         self._active = None  # The plan of the step being traced.
         self._stash = {}
+        # Applied plans a training step has completed under (see `oom`).
+        self.proven = set()
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0}
 

@@ -141,7 +141,8 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         times = callbacks[-1].times[1:] or callbacks[-1].times
         out.update(status="ok", step_s=float(np.median(times)),
                    images_per_s=batch / float(np.median(times)),
-                   steady_peak_bytes=callbacks[-1].peak)
+                   steady_peak_bytes=callbacks[-1].peak,
+                   peak_marks=callbacks[-1].marks)
         if method.startswith("autovm"):
             out.update(plan_facts(callbacks[0]))
     except Exception as error:  # noqa: BLE001 -- every failure is a result
@@ -173,18 +174,24 @@ def timer(backend):
 
         def on_epoch_begin(self, epoch, logs=None):
             self.times = []
+            # The running peak at each step's ends: where it rises is where
+            # the peak was (in a step, or between steps).
+            self.marks = []
             if epoch:
                 reset_peak(backend)
 
         def on_epoch_end(self, epoch, logs=None):
             self.peak = peak(backend)
+            self.marks.append(("epoch_end", self.peak))
 
         def on_train_batch_begin(self, batch, logs=None):
+            self.marks.append((f"begin{batch}", peak(backend)))
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
             float(logs["loss"])  # Waits for the device.
             self.times.append(time.perf_counter() - self.start)
+            self.marks.append((f"end{batch}", peak(backend)))
 
     return StepTimer()
 

@@ -1,6 +1,8 @@
 """torch: what each layer saves is measured, layer outputs are freed after
 their last forward reader, and swapped ones come back bit for bit."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -172,3 +174,88 @@ def test_swapped_storage_is_held_until_its_copy_is_done():
     step.reap()
     assert storage.nbytes() == 0
     assert not step.held
+
+
+class _RunsOutOnce(keras.layers.Layer):
+    """Raises CUDA's out-of-memory error in the first training step (batch
+    size 8; AutoVM's profile runs smaller ones), after batch norm and
+    dropout before it have updated their state."""
+
+    failures = 0
+
+    def call(self, x, training=None):
+        import torch
+        if training and x.shape[0] == 8 and _RunsOutOnce.failures == 0:
+            _RunsOutOnce.failures += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to "
+                                              "allocate 2.00 MiB (a test)")
+        return x
+
+    def _raise_for_test(self):
+        import torch
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+
+
+def _flaky_cnn():
+    return keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", name="c1"),
+        keras.layers.BatchNormalization(name="bn1"),
+        keras.layers.Dropout(0.3, seed=1, name="d1"),
+        _RunsOutOnce(name="flaky"),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2"),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c3"),
+        keras.layers.GlobalAveragePooling2D(name="gap"),
+        keras.layers.Dense(4, name="head"),
+    ])
+
+
+def test_first_step_out_of_memory_is_replanned_and_run_again():
+    # The step ran out of memory under a plan that fit the budget: AutoVM
+    # learns that the model needs at least the whole budget's worth more,
+    # replans tighter, restores what the failed forward changed, and trains
+    # to the weights of a run that never failed.
+    keras.utils.set_random_seed(7)
+    model = _flaky_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    keep = keras_autovm.plan(model, batch_size=8, budget="1GiB", policy="keep_all",
+                             headroom=0)
+    budget = int(keep.result.peak_bytes / 0.85 * 1.3)
+
+    def run(fails):
+        _RunsOutOnce.failures = 0 if fails else 1
+        callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True)
+        return train(_flaky_cnn, [callback]), callback
+
+    theirs, quiet = run(fails=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, replanned = run(fails=True)
+    said = [str(w.message) for w in caught if "ran out of GPU memory" in str(w.message)]
+    assert len(said) == 1, said
+    assert quiet.report.plan.counts()["keep"] == len(quiet.report.plan.actions)
+    assert replanned.report.stats["out_of_memory_replans"] == 1
+    assert replanned.report.plan.result.peak_bytes < keep.result.peak_bytes
+    assert replanned.report.stats["memory_scale"] > 1.5
+    for a, b in zip(theirs.get_weights(), ours.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_out_of_memory_in_the_optimizer_is_not_rerun():
+    # Weights may be half updated there: the error is the user's.
+    import torch
+
+    from keras_autovm.mechanisms.torch.mechanism import TorchMechanism
+
+    def from_optimizer():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+
+    from_optimizer.__code__ = from_optimizer.__code__.replace(
+        co_filename="/site-packages/keras/src/optimizers/adam.py")
+    mechanism = TorchMechanism()
+    for fn, expected in ((from_optimizer, False), (_RunsOutOnce()._raise_for_test, True)):
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001
+            assert mechanism.out_of_memory(error) is expected
+    assert not mechanism.out_of_memory(ValueError("out of memory"))

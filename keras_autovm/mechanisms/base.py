@@ -92,6 +92,20 @@ class Mechanism:
         """Bytes measured moving between device and host, or `None`."""
         return None
 
+    #: Whether a training step runs eagerly, so that one that ran out of
+    #: memory can be run again (`out_of_memory` says when).
+    reruns_steps = False
+
+    def out_of_memory(self, error):
+        """Whether `error` is the device running out of memory at a point a
+        training step can be run again from: no weight or optimizer state
+        changed yet (the caller restores layer state and metrics). The
+        default: never (a traced step fails as a whole)."""
+        return False
+
+    def release_memory(self):
+        """Hands back what a failed step left in the allocator's cache."""
+
     def device_name(self):
         """The device training runs on, as a cache key: the GPU's name, or
         `"cpu:<processor>"` without one."""

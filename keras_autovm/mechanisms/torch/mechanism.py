@@ -6,6 +6,8 @@ reader has run."""
 
 import dataclasses
 import functools
+import gc
+import traceback
 
 import keras
 import torch
@@ -87,6 +89,23 @@ class TorchMechanism(Mechanism):
     def moved_bytes(self):
         return {"to_host": self.stats["bytes_to_host"],
                 "to_device": self.stats["bytes_to_device"]}
+
+    reruns_steps = True
+
+    def out_of_memory(self, error):
+        """A CUDA out-of-memory error from the forward or backward pass:
+        torch runs eagerly, so the optimizer had not run and no weight
+        changed. One raised in the optimizer is not (weights may be half
+        updated)."""
+        if not isinstance(error, torch.cuda.OutOfMemoryError):
+            return False
+        return not any("optimizers" in frame.filename
+                       for frame in traceback.extract_tb(error.__traceback__))
+
+    def release_memory(self):
+        gc.collect()  # The failed step's graph, if a cycle holds it.
+        if self.gpu_available():
+            torch.cuda.empty_cache()
 
     def install(self, model, runtime, patches):
         """Runs each training forward pass under the step's saved-tensor hooks."""
