@@ -307,9 +307,9 @@ def deterministic(backend):
 
 def predict(args, model):
     """keep_all, offload_all and greedy_offload at each batch, no cap, each
-    in its own process: in one process, what an earlier run leaves in the
-    allocator (measured: 1.6 to 2.7 GiB after a VGG-19 run) counts in the
-    next one's peak."""
+    in its own process: run one after another in one process, VGG-19's
+    later runs measured 1.6 to 2.3 GiB above the same plans traced in a
+    process of their own (what an earlier run leaves behind counts)."""
     runs = []
     for batch in [int(b) for b in args.predict_batches[model].split(",")]:
         keep = one(args, model, "autovm_keep", batch, args.steps, 2, capped=False,
