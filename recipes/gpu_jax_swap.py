@@ -28,6 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)  # gpu_swap: versions and the GPU's memory.
 GiB = 2**30
 POLICIES = ("keep_all", "offload_all", "greedy_offload")
 
@@ -133,7 +134,8 @@ def timer():
 def spawn(args, batch, policy, capped):
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONUNBUFFERED="1")
     if capped and not args.smoke:
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.cap_gib / total_gib():.4f}"
+        import gpu_swap
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.cap_gib / gpu_swap._total_gib():.4f}"
     cmd = [sys.executable, __file__, "--child", "--batch", str(batch), "--policy", policy,
            "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
            "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
@@ -152,21 +154,13 @@ def spawn(args, batch, policy, capped):
     return run
 
 
-def total_gib():
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
-    return float(out.stdout.split()[0]) / 1024
-
-
 def versions(smoke):
-    import importlib.metadata as md
-    out = {p: md.version(p) for p in ("jax", "keras")}
-    out["python"] = platform.python_version()
+    os.environ["KERAS_BACKEND"] = "jax"
     if not smoke:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True)
-        out["gpu"] = smi.stdout.strip()
-    return out
+        import gpu_swap
+        return gpu_swap.versions("jax")
+    import keras
+    return {"keras": keras.__version__, "python": platform.python_version()}
 
 
 def main():
