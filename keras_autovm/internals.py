@@ -13,7 +13,8 @@ import sys
 import keras
 
 # The versions each reach below was read against.
-CHECKED_VERSIONS = {"keras": "3.15.1", "tensorflow": "2.21.0", "torch": "2.13.0"}
+CHECKED_VERSIONS = {"keras": "3.15.1", "tensorflow": "2.21.0", "torch": "2.13.0",
+                    "jax": "0.10.2"}
 
 
 # ------------------------------------------------------------ model graph
@@ -250,6 +251,27 @@ def _leading_size(batch):
     leaves = keras.tree.flatten(batch)
     shape = getattr(leaves[0], "shape", None) if leaves else None
     return int(shape[0]) if shape and shape[0] is not None else None
+
+
+# --------------------------------------------------------------------- JAX
+
+
+def jax_concrete(x):
+    """The concrete `jax.Array` under `x` in an eager (unjitted) JAX
+    differentiation, or `None` where there is none (under `jax.jit`).
+
+    In `jax.value_and_grad` run eagerly, a layer output is a linearize (or
+    JVP) tracer whose `primal` attribute is the concrete array the op
+    computed; the swap reads that array's identity and deletes its buffer
+    after its last forward reader (`mechanisms/jax/swap.py`). No public API
+    reaches a tracer's primal value. JAX 0.10.2 (`LinearizeTracer`,
+    `JVPTracer`).
+    """
+    import jax
+
+    while isinstance(x, jax.core.Tracer):
+        x = getattr(x, "primal", None)
+    return x if isinstance(x, jax.Array) else None
 
 
 # --------------------------------------------------------------- TensorFlow

@@ -127,11 +127,7 @@ class Runtime:
     def _run_segment(self, names, inputs, training):
         segment = _Segment([self._layers[n] for n in names], training, self.stats)
         self.stats["segments_run"] += 1
-        # Tensors as arguments, not a nested structure: torch's checkpoint
-        # saves only tensor arguments as such (through saved-tensor hooks).
-        flat = keras.tree.flatten(inputs)
-        outputs = self.mechanism.recompute(
-            lambda *xs: segment(keras.tree.pack_sequence_as(inputs, list(xs))))(*flat)
+        outputs = self.mechanism.run_segment(segment, inputs)
         for name, output in zip(names[1:], outputs[1:]):
             self._stash[name] = output
         return outputs[0]
@@ -188,12 +184,16 @@ class _Segment:
         self.stats["segments_replayed"] += replaying
         scope = (keras.StatelessScope(state_mapping=self.snapshot)
                  if replaying and self.snapshot else contextlib.nullcontext())
-        outputs = []
         with scope:
-            for layer in self.layers:
-                kwargs = self.kwargs if internals.call_takes_training(layer) else {}
-                x = layer(x, **kwargs)
-                outputs.append(x)
+            return self.run_layers(x)
+
+    def run_layers(self, x):
+        """The layers' outputs on `x`, run once, in the current scope."""
+        outputs = []
+        for layer in self.layers:
+            kwargs = self.kwargs if internals.call_takes_training(layer) else {}
+            x = layer(x, **kwargs)
+            outputs.append(x)
         return tuple(outputs)
 
 

@@ -7,7 +7,7 @@ import pytest
 import keras_autovm
 from conftest import BACKEND, data, skip_model, small_cnn
 
-# JAX swaps through XLA host offloading; TensorFlow through explicit host
+# JAX swaps through host copies in an unjitted step; TensorFlow through explicit host
 # copies (host to host on a CPU, so the plumbing and numbers are checked
 # here; tests/test_tf_swap.py has more, and the page-moving mode); torch
 # through saved-tensor hooks and a host pool.
@@ -62,7 +62,8 @@ def test_swap_trains_like_without_autovm(model_fn, policy, swap_small_tensors):
     assert swaps > 0
     stats = callback.report.stats
     if BACKEND == "jax":
-        assert stats["checkpointed_traces"] > 0
+        # Eager steps with host copies (tests/test_jax_swap.py has more).
+        assert stats["eager_steps"] > 0 and stats["bytes_freed"] > 0, stats
     elif BACKEND == "tensorflow":
         # Every swapped tensor was copied to the host; the backward reads
         # copies brought back.
@@ -72,7 +73,8 @@ def test_swap_trains_like_without_autovm(model_fn, policy, swap_small_tensors):
         # Copied out and back, and the device copies freed in the forward.
         assert stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0, stats
         assert stats["bytes_freed_early"] >= stats["bytes_to_host"], stats
-    # Copying to the host and back changes no number.
+    # Copying to the host and back changes no number (JAX: the reference is
+    # jitted, the swap step is not; tests/test_jax_swap.py compares eager).
     assert_same_weights(reference, model, exact=BACKEND != "jax")
 
 

@@ -15,6 +15,7 @@ overrides what differs; see docs/architecture.md.
 """
 
 import contextlib
+import dataclasses
 import platform
 import statistics
 import time
@@ -22,6 +23,7 @@ import time
 import keras
 
 from keras_autovm import internals
+from keras_autovm.planner import choose
 
 
 class Mechanism:
@@ -29,6 +31,10 @@ class Mechanism:
 
     #: The Keras backend this mechanism serves.
     backend = None
+
+    #: How far, in seconds of copy link, the forward may run ahead of its
+    #: copies to host (`swap_cost`); `None`: the backend bounds nothing.
+    in_flight_seconds = None
 
     def __init__(self):
         # Counts of what was carried out, for the report (backend-specific).
@@ -60,9 +66,22 @@ class Mechanism:
 
     def swap_cost(self, cost):
         """`cost` (a `planner.CostModel`) with how this backend's swaps
-        behave (its bound on copies in flight). The default changes
-        nothing."""
-        return cost
+        behave: copies to host in flight bounded to `in_flight_seconds` of
+        the link, unless the cost bounds them already."""
+        if self.in_flight_seconds is None or cost.max_in_flight_bytes is not None:
+            return cost
+        return dataclasses.replace(
+            cost, max_in_flight_bytes=cost.d2h_bytes_per_s * self.in_flight_seconds)
+
+    def may_swap(self, runtime):
+        """Whether the policy of `runtime` (or any, without one) may swap."""
+        if "swap" not in self.actions():
+            return False
+        if runtime is None:
+            return True
+        policy = runtime.plans.policy
+        allowed = self.auto_actions() if policy == "auto" else choose.REQUIRES[policy]
+        return "swap" in allowed
 
     @property
     def copy_link(self):
@@ -151,6 +170,16 @@ class Mechanism:
         """Calls one layer under the plan `applied` (an `AppliedPlan` or
         `None`); the default is a plain call."""
         return layer(inputs, *args, **kwargs)
+
+    def run_segment(self, segment, inputs):
+        """Runs a recompute segment (`segment(inputs)` returns each of its
+        layers' outputs) so that the backward pass recomputes it; the
+        default runs it under `recompute`."""
+        # Tensors as arguments, not a nested structure: torch's checkpoint
+        # saves only tensor arguments as such (through saved-tensor hooks).
+        flat = keras.tree.flatten(inputs)
+        return self.recompute(
+            lambda *xs: segment(keras.tree.pack_sequence_as(inputs, list(xs))))(*flat)
 
     def after_layer(self, name, outputs, applied):
         """Runs after the layer call `name`; returns its (possibly wrapped)

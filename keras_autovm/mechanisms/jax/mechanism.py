@@ -1,41 +1,66 @@
-"""JAX: tags become `checkpoint_name`s; one `jax.checkpoint` around the loss
-applies the plan (keep = save, swap = offload to pinned host, recompute =
-neither), and XLA schedules the copies on its own streams."""
+"""JAX: keep and recompute by name; swap by host copies in an eager step.
+
+Tags become `checkpoint_name`s, and a plan that keeps and recomputes runs
+under one `jax.checkpoint` around the loss (keep = save, recompute = not
+saved), inside the jitted training step. Under a policy that may swap, the
+training step runs without jit and swaps by explicit host copies
+(`swap.py`), recomputing the plan's segments under the same `custom_vjp`.
+`JaxMechanism.swap_mode = "xla_offload"` selects the earlier swap, XLA's host
+offload through the checkpoint policy (measured: no device memory saved).
+"""
 
 import functools
 
 import jax
+import keras
 from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.jax import swap
 from keras_autovm.mechanisms.jax import timing
+
+# How far (in link time) the forward may run ahead of its copies to host.
+IN_FLIGHT_SECONDS = 0.05
 
 
 class JaxMechanism(Mechanism):
-    """Keep, swap (XLA host offload) and recompute (`jax.checkpoint`)."""
+    """Keep, swap (host copies, or XLA host offload) and recompute."""
 
     backend = "jax"
+    in_flight_seconds = IN_FLIGHT_SECONDS
+
+    #: `"copies"`: swap by explicit host copies, without jit (`swap.py`);
+    #: `"xla_offload"`: by XLA's host offload inside the jitted step.
+    swap_mode = "copies"
 
     def __init__(self):
         super().__init__()
         self.stats = {"checkpointed_traces": 0}
+        self.stats.update(dict.fromkeys(
+            ("eager_steps", "bytes_to_host", "bytes_to_device", "bytes_freed",
+             "copy_backs_prefetched", "copy_backs_at_use", "in_flight_waits",
+             "max_in_flight_bytes", "recomputed_calls", "swaps_kept_on_device"), 0))
+        self.events = []  # The last eager step's backward events (`swap.SwapStep`).
+        self._eager = False  # Set by `install` when the policy may swap.
+        self._step = None  # The `swap.SwapStep` of the step running.
 
     def actions(self):
         return ("keep", "swap", "recompute")
 
     def auto_actions(self):
-        """No swaps: XLA carries out the offloads (weights stay identical)
-        but, measured on VGG-19 (results/gpu_vgg19_memory.json), its buffer
-        assignment keeps the device footprint far above the plan
-        (offload_all: 17.57 GiB on device for a planned 8.3 GiB), so a swap
-        plan would not fit where it says it does."""
+        """No swaps. XLA's offload keeps the device footprint far above the
+        plan (VGG-19, results/gpu_vgg19_memory.json: offload_all 17.57 GiB
+        on device for a planned 8.3 GiB); the host copies (`swap.py`) await
+        their GPU measurement. To let `auto` swap by copies, return
+        `self.actions()` here when `self.swap_mode == "copies"`."""
         return ("keep", "recompute")
 
     @property
     def replays_segments(self):
-        # XLA recomputes whatever the checkpoint policy does not save.
-        return False
+        # Jitted, XLA recomputes whatever the checkpoint policy does not
+        # save; eager, the runtime runs the plan's segments (`run_segment`).
+        return self._eager
 
     def gpu_available(self):
         return any(d.platform == "gpu" for d in jax.devices())
@@ -71,32 +96,71 @@ class JaxMechanism(Mechanism):
         planner assumes: measured on VGG-19 (results/gpu_vgg19_memory.json),
         XLA's own choice keeps about twice the planned bytes. Layers with
         state (batch norm) are left alone: their updates may not leave a
-        `jax.checkpoint`.
+        `jax.checkpoint`. In an eager swap step, a layer reading a swapped
+        tensor runs under the swap's `custom_vjp` (`swap.SwapStep.call`).
         """
+        step = self._step if applied is not None else None
+        if step is not None:
+            structure = (inputs, args)
+            leaves = keras.tree.flatten(structure)
+            found = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+            arrays = [leaves[i] for i in found]
+            if any(step.holds(x) for x in arrays):
+                if any(isinstance(x, jax.Array) for x in keras.tree.flatten(kwargs)):
+                    step.pin(arrays)  # An array keyword (a mask): run as is.
+                else:
+                    return step.call(_rebuild(layer, structure, leaves, found, kwargs),
+                                     arrays, _variables([layer]), layer.name)
         if applied is None or layer.non_trainable_variables:
             return layer(inputs, *args, **kwargs)
         return self.recompute(lambda x, *a: layer(x, *a, **kwargs))(inputs, *args)
 
+    def run_segment(self, segment, inputs):
+        """In an eager step, the segment under the swap's `custom_vjp`
+        (its inputs kept on the device, or as host copies where swapped)."""
+        if self._step is None:
+            return super().run_segment(segment, inputs)
+        flat = keras.tree.flatten(inputs)
+
+        def run(*xs):
+            return segment.run_layers(keras.tree.pack_sequence_as(inputs, list(xs)))
+
+        return self._step.call(run, flat, _variables(segment.layers), segment.layers[0].name)
+
+    def after_layer(self, name, outputs, applied):
+        if self._step is None or applied is None:
+            return outputs
+        return self._step.after_layer(name, outputs)
+
     def checkpoint_policy(self, applied):
         """The `jax.checkpoint` policy carrying out a plan's actions."""
-        keep, swap = applied.names("keep"), applied.names("swap")
-        if swap and not _has_pinned_host():
-            keep, swap = keep + swap, []
+        keep, offload = applied.names("keep"), applied.names("swap")
+        if offload and not _has_pinned_host():
+            keep, offload = keep + offload, []
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=keep, names_which_can_be_offloaded=swap,
+            names_which_can_be_saved=keep, names_which_can_be_offloaded=offload,
             offload_src="device", offload_dst="pinned_host")
 
     def install(self, model, runtime, patches):
-        """Runs the model's loss computation under `jax.checkpoint(policy)`.
+        """Runs the model's loss computation under the plan.
 
-        The checkpoint must enclose both the producer and the backward
-        reader of each tagged tensor; Keras's stateless loss function is the
-        smallest that does (`internals.JAX_LOSS_FUNCTION`).
+        Jitted, under `jax.checkpoint(policy)`: the checkpoint must enclose
+        both the producer and the backward reader of each tagged tensor;
+        Keras's stateless loss function is the smallest that does
+        (`internals.JAX_LOSS_FUNCTION`). When the policy may swap by copies,
+        `jit_compile` is turned off (said when `verbose`): the copies,
+        waits and frees happen between layers, which a compiled step hides.
         """
         name = internals.JAX_LOSS_FUNCTION
         original = getattr(type(model), name).__get__(model)
         patches.set(model, name, functools.wraps(original)(
             functools.partial(self._checkpointed_loss, original, runtime)))
+        self._eager = self.swap_mode == "copies" and self.may_swap(runtime)
+        if self._eager and model.jit_compile:
+            patches.set(model, "jit_compile", False)
+            return ("AutoVM set jit_compile=False: its JAX swap copies, frees "
+                    "and prefetches between layers, outside a compiled step.")
+        return None
 
     def _checkpointed_loss(self, original, runtime, tv, ntv, mv, x, y, sw,
                            training=False, optimizer_variables=None):
@@ -104,6 +168,9 @@ class JaxMechanism(Mechanism):
         if applied is None or not applied.changes_anything:
             return original(tv, ntv, mv, x, y, sw, training=training,
                             optimizer_variables=optimizer_variables)
+        if self._eager:
+            return self._eager_loss(original, applied, tv, ntv, mv, x, y, sw,
+                                    optimizer_variables)
         self.stats["checkpointed_traces"] += 1
 
         def loss(tv, ntv, mv, x, y, sw, ov):
@@ -113,8 +180,49 @@ class JaxMechanism(Mechanism):
         return jax.checkpoint(loss, policy=self.checkpoint_policy(applied))(
             tv, ntv, mv, x, y, sw, optimizer_variables)
 
+    def _eager_loss(self, original, applied, tv, ntv, mv, x, y, sw, ov):
+        """The forward of one eager swap step; its backward follows, in
+        `jax.value_and_grad`, through the `custom_vjp`s it made."""
+        if any(internals.jax_concrete(v) is None for v in keras.tree.flatten(tv)):
+            raise RuntimeError(
+                "AutoVM's JAX swap needs the training step to run without "
+                "jit, but it is being traced (jit_compile was turned back "
+                "on?). Compile the model with jit_compile=False.")
+        self.stats["eager_steps"] += 1
+        self.events.clear()
+        self._step = swap.SwapStep(applied, self.stats, self.events)
+        try:
+            return original(tv, ntv, mv, x, y, sw, training=True,
+                            optimizer_variables=ov)
+        finally:
+            self.stats["swaps_kept_on_device"] += self._step.kept_on_device()
+            self._step = None
+
+
+def _rebuild(layer, structure, leaves, found, kwargs):
+    """`run(*arrays)`: `layer` called on `structure` with its array leaves
+    (at positions `found` of `leaves`) replaced."""
+    def run(*arrays):
+        filled = list(leaves)
+        for i, x in zip(found, arrays):
+            filled[i] = x
+        inputs, args = keras.tree.pack_sequence_as(structure, filled)
+        return layer(inputs, *args, **kwargs)
+
+    return run
+
+
+def _variables(layers):
+    """The distinct variables of `layers`, trainable first."""
+    seen, found = set(), []
+    for layer in layers:
+        for v in layer.trainable_variables + layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                found.append(v)
+    return found
+
 
 def _has_pinned_host():
     """Whether the default device has a pinned host memory space to offload to."""
     return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
-

@@ -20,7 +20,6 @@ from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import managed
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
-from keras_autovm.planner import choose
 
 
 class TensorFlowMechanism(Mechanism):
@@ -118,7 +117,7 @@ class TensorFlowMechanism(Mechanism):
         `swap.recompute`; in both modes `jit_compile` is turned off: XLA
         cannot compile the page-moving ops, and it ignores the control
         dependencies that time explicit copies back."""
-        may_swap = self._may_swap(runtime)
+        may_swap = self.may_swap(runtime)
         if may_swap and not self.managed:
             patches.set(model, "train_step", self._rewire_after(model.train_step))
             self._own_recompute = True
@@ -128,16 +127,6 @@ class TensorFlowMechanism(Mechanism):
                     "the control dependencies that time its host-to-device copies")
             return f"AutoVM set jit_compile=False: XLA cannot compile {what}."
         return None
-
-    def _may_swap(self, runtime):
-        """Whether the policy of `runtime` (or any, without one) may swap."""
-        if "swap" not in self.actions():
-            return False
-        if runtime is None:
-            return True
-        policy = runtime.plans.policy
-        allowed = self.auto_actions() if policy == "auto" else choose.REQUIRES[policy]
-        return "swap" in allowed
 
     # --------------------------------------------------------- explicit swap
 

@@ -4,7 +4,6 @@ hooks, a pinned host pool and a copy stream (`swap.py`), which also frees
 every layer output the backward pass does not need once its last forward
 reader has run."""
 
-import dataclasses
 import functools
 import gc
 import traceback
@@ -25,6 +24,7 @@ class TorchMechanism(Mechanism):
     """Keep, swap (pinned host copies) and recompute."""
 
     backend = "torch"
+    in_flight_seconds = IN_FLIGHT_SECONDS
 
     def __init__(self):
         super().__init__()
@@ -45,13 +45,6 @@ class TorchMechanism(Mechanism):
         if self._profiles.get(key, (None,))[0] is not model:
             self._profiles[key] = (model, profile.measure(model, input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
-
-    def swap_cost(self, cost):
-        """Bounds the copies to host in flight to `IN_FLIGHT_SECONDS` of link."""
-        if cost.max_in_flight_bytes is not None:
-            return cost
-        return dataclasses.replace(
-            cost, max_in_flight_bytes=cost.d2h_bytes_per_s * IN_FLIGHT_SECONDS)
 
     def gpu_available(self):
         return torch.cuda.is_available()

@@ -1,0 +1,265 @@
+"""JAX swap by explicit host copies, in a training step run without jit.
+
+Under `jax.jit` XLA decides where every buffer lives and when it dies; its
+host offload (a `jax.checkpoint` offload policy) moved the bytes but kept
+the device footprint above keeping everything (docs/mechanisms.md). Run
+eagerly, `jax.value_and_grad` executes the forward op by op on concrete
+arrays, and what AutoVM does between layers happens when it says. For each
+layer output `t` the plan swaps, in one training step (`SwapStep`):
+
+- **Copy out.** After `t`'s producer, `jax.device_put(t, <host memory>)`
+  (pinned host memory where the device has it; asynchronous).
+- **Readers keep only the copy.** Each layer (or recompute segment) that
+  reads `t` runs under a `jax.custom_vjp` whose forward computes its
+  outputs and keeps as residuals its inputs, with `t` replaced by the host
+  copy; its backward brings `t` back and takes the vector-Jacobian product
+  of the layer recomputed from its inputs (what the per-layer
+  `jax.checkpoint` does for every other layer).
+- **Freed after the last forward reader.** Keras's functional runner
+  holds every layer output until the forward pass ends, so once the last
+  reader has been dispatched the device buffer under `t` is deleted
+  (`jax.Array.delete`; the runtime frees it after the work already queued
+  on it). Only readers run here may read `t` again: a reader that is not
+  (a raw `keras.ops` call, a mask argument) leaves `t` on the device.
+- **Bounded copies in flight.** Before each layer call, the forward waits
+  while more than the plan's `max_in_flight_bytes` of copies to host are
+  outstanding (the simulator's model: `planner/simulate.py`).
+- **Prefetch.** The output of the op `plan.prefetch[t]` names passes
+  through an identity `custom_vjp` whose backward, run when the backward
+  pass reaches that op, starts copying `t` back; the reader's backward
+  takes that copy (or copies it itself when nothing prefetched it).
+
+The same `custom_vjp` runs recompute segments (with no swapped input, it
+keeps their inputs on the device): a `jax.checkpoint` traces its function,
+and a layer's state update (batch-norm statistics) would leave that trace.
+"""
+
+import collections
+
+import jax
+import keras
+import numpy as np
+
+from keras_autovm import internals
+
+
+def host_kind(device=None):
+    """The memory kind copies to host go to: pinned where the device has
+    it (GPUs, and the CPU client), else unpinned."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+
+
+class SwapStep:
+    """Carries out one plan's swaps in one eager training step.
+
+    Args:
+        applied: the `AppliedPlan`.
+        stats: dict of counters to add to (the mechanism's).
+        events: list the backward's events are appended to, in order:
+            `("prefetch", tag, op)` and `("use", tag, reader)`.
+    """
+
+    def __init__(self, applied, stats, events):
+        plan = applied.plan
+        self.stats, self.events = stats, events
+        self.swapped = set(applied.names("swap"))
+        tensors = plan.graph.tensor_map
+        self.tags_of_op = {op.name: op.outputs for op in plan.graph.ops}
+        self.readers_left = {t: len(tensors[t].fwd_readers) for t in self.swapped}
+        # Only a recompute segment's last output carries a gradient.
+        owner = {op: seg[-1] for seg in applied.segments for op in seg}
+        self.prefetch_at = collections.defaultdict(list)
+        for tag in sorted(self.swapped):
+            if plan.prefetch.get(tag) is not None:
+                trigger = plan.prefetch[tag]
+                self.prefetch_at[owner.get(trigger, trigger)].append(tag)
+        self.limit = plan.cost.max_in_flight_bytes
+        self.tag_of = {}  # id(device array) -> tag
+        self.device = {}  # tag -> device array (deleted after its last reader)
+        self.host = {}  # tag -> host copy (the readers' residual)
+        self.pinned = set()  # Tags a reader outside this class holds.
+        self.back = {}  # tag -> [device copy back or None, backward readers left]
+        self.in_flight = collections.deque()  # (host copy, bytes)
+
+    # ------------------------------------------------------------ forward
+
+    def after_layer(self, name, outputs):
+        """Copies op `name`'s swapped outputs out; arms its prefetches."""
+        flat = keras.tree.flatten(outputs)
+        for x, tag in zip(flat, self.tags_of_op.get(name, ())):
+            array = internals.jax_concrete(x)
+            if tag in self.swapped and array is not None and tag not in self.host:
+                self.host[tag] = jax.device_put(
+                    array, array.sharding.with_memory_kind(host_kind()))
+                self.device[tag], self.tag_of[id(array)] = array, tag
+                self.in_flight.append((self.host[tag], array.nbytes))
+                self.stats["bytes_to_host"] += array.nbytes
+        tags = self.prefetch_at.get(name)
+        first = next((i for i, x in enumerate(flat) if _is_float(x)), None)
+        if tags and first is not None:
+            flat[first] = _on_backward(flat[first], lambda: self._prefetch(tags, name))
+            outputs = keras.tree.pack_sequence_as(outputs, flat)
+        return outputs
+
+    def call(self, run, inputs, variables, reader):
+        """`run(*inputs)` (a flat list of arrays) under the recomputing
+        `custom_vjp`, with `variables` (Keras variables it reads) as
+        explicit inputs; `reader` names it in events."""
+        self.bound_in_flight()
+        arrays = [internals.jax_concrete(x) for x in inputs]
+        tags = [self.tag_of.get(id(a)) if a is not None else None for a in arrays]
+        tags = [t if t in self.host else None for t in tags]
+        outputs, state = _recomputing(run, variables, tags, self, reader)(
+            list(inputs), [v.value for v in variables])
+        for variable, value in zip(_stateful(variables), state):
+            variable.assign(value)
+        for tag in set(tags) - {None}:
+            self.back.setdefault(tag, [None, 0])[1] += 1
+            self._read(tag)
+        return outputs
+
+    def holds(self, x):
+        """Whether `x` is a swapped tensor of this step."""
+        array = internals.jax_concrete(x)
+        return array is not None and id(array) in self.tag_of
+
+    def kept_on_device(self):
+        """How many swapped tensors stayed on the device (a reader outside
+        this class, or one that never ran)."""
+        return sum(1 for t, left in self.readers_left.items()
+                   if t in self.host and (left or t in self.pinned))
+
+    def pin(self, inputs):
+        """Marks swapped `inputs` read by a call this class does not run:
+        their device buffers must stay."""
+        for x in inputs:
+            array = internals.jax_concrete(x)
+            tag = self.tag_of.get(id(array)) if array is not None else None
+            if tag is not None:
+                self.pinned.add(tag)
+                self._read(tag)
+
+    def _read(self, tag):
+        self.readers_left[tag] -= 1
+        if self.readers_left[tag] == 0 and tag not in self.pinned:
+            array = self.device[tag]
+            self.stats["bytes_freed"] += array.nbytes
+            array.delete()
+
+    def bound_in_flight(self):
+        """Waits while more than the plan's bound of copies to host are
+        outstanding; records the most left outstanding."""
+        while self.in_flight and self._copy_done(self.in_flight[0][0]):
+            self.in_flight.popleft()
+        while self.limit is not None and sum(n for _, n in self.in_flight) > self.limit:
+            self.in_flight.popleft()[0].block_until_ready()
+            self.stats["in_flight_waits"] += 1
+        outstanding = sum(n for _, n in self.in_flight)
+        self.stats["max_in_flight_bytes"] = max(self.stats["max_in_flight_bytes"], outstanding)
+
+    @staticmethod
+    def _copy_done(host):
+        return host.is_ready()
+
+    # ----------------------------------------------------------- backward
+
+    def _prefetch(self, tags, op):
+        for tag in tags:
+            entry = self.back.get(tag)
+            if entry is not None and entry[0] is None:
+                entry[0] = self._copy_back(tag)
+                self.events.append(("prefetch", tag, op))
+                self.stats["copy_backs_prefetched"] += 1
+
+    def take(self, tag, reader):
+        """The device copy of `tag` for one of its backward readers."""
+        entry = self.back[tag]
+        if entry[0] is None:
+            entry[0] = self._copy_back(tag)
+            self.stats["copy_backs_at_use"] += 1
+        self.events.append(("use", tag, reader))
+        copy = entry[0]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.back[tag]
+        return copy
+
+    def _copy_back(self, tag):
+        host = self.host[tag]
+        self.stats["bytes_to_device"] += host.nbytes
+        return jax.device_put(host, host.sharding.with_memory_kind("device"))
+
+
+def _recomputing(run, variables, tags, step, reader):
+    """A `custom_vjp` of `(inputs, values) -> (run(*inputs), new state)`
+    that keeps host copies for the inputs with a tag and recomputes `run`
+    in its backward."""
+    stateful = _stateful(variables)
+
+    def forward(inputs, values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+            outputs = run(*inputs)
+        return outputs, [scope.get_current_value(v) for v in stateful]
+
+    @jax.custom_vjp
+    def call(inputs, values):
+        return forward(inputs, values)
+
+    def fwd(inputs, values):
+        kept = [step.host[t] if t else x for x, t in zip(inputs, tags)]
+        return forward(inputs, values), (kept, values)
+
+    def bwd(residuals, cotangents):
+        kept, values = residuals
+        inputs = [step.take(t, reader) if t else x for x, t in zip(kept, tags)]
+        step.stats["recomputed_calls"] += 1
+        wrt = [i for i, x in enumerate(inputs) if _is_float(x)]
+        trained = [i for i, v in enumerate(variables) if v.trainable]
+
+        def outputs_of(xs, ws):
+            full, vals = list(inputs), list(values)
+            for i, x in zip(wrt, xs):
+                full[i] = x
+            for i, w in zip(trained, ws):
+                vals[i] = w
+            return forward(full, vals)[0]
+
+        _, vjp = jax.vjp(outputs_of, [inputs[i] for i in wrt], [values[i] for i in trained])
+        d_inputs, d_weights = vjp(cotangents[0])
+        found_x, found_w = dict(zip(wrt, d_inputs)), dict(zip(trained, d_weights))
+        return ([found_x.get(i, _zero(x)) for i, x in enumerate(inputs)],
+                [found_w.get(i, _zero(v)) for i, v in enumerate(values)])
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _on_backward(x, action):
+    """`x`, through an identity whose backward runs `action` first."""
+    @jax.custom_vjp
+    def identity(x):
+        return x
+
+    def bwd(_, g):
+        action()
+        return (g,)
+
+    identity.defvjp(lambda x: (x, None), bwd)
+    return identity(x)
+
+
+def _stateful(variables):
+    return [v for v in variables if not v.trainable]
+
+
+def _is_float(x):
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+
+
+def _zero(x):
+    """A zero cotangent for `x` (`float0` for integer arrays)."""
+    if _is_float(x):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)

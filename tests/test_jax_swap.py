@@ -1,0 +1,186 @@
+"""JAX swap by host copies (keras_autovm/mechanisms/jax/swap.py), on a CPU.
+
+The CPU client has `device` and `pinned_host` memories (the same RAM), so
+the device buffers a swap frees can be counted with `jax.live_arrays()`.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+
+import keras_autovm
+from conftest import BACKEND, data, skip_model, small_cnn
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX swap")
+
+if BACKEND == "jax":
+    import jax
+
+    from keras_autovm.mechanisms.jax import mechanism as jax_mechanism
+    from keras_autovm.mechanisms.jax import swap
+
+
+@pytest.fixture
+def mechanisms(monkeypatch):
+    """The JAX mechanisms AutoVM makes in the test, in order."""
+    made = []
+    init = jax_mechanism.JaxMechanism.__init__
+
+    def record(self):
+        init(self)
+        made.append(self)
+
+    monkeypatch.setattr(jax_mechanism.JaxMechanism, "__init__", record)
+    return made
+
+
+def train(model_fn, callbacks=(), jit_compile=False, steps=3):
+    keras.utils.set_random_seed(7)
+    model = model_fn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                  jit_compile=jit_compile)
+    x, y = data(8 * steps)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+              callbacks=list(callbacks), verbose=0)
+    return model
+
+
+def autovm(policy, **kwargs):
+    return keras_autovm.AutoVM(budget="1GiB", policy=policy, verbose=0,
+                               apply_without_gpu=True, **kwargs)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y)))
+               for x, y in zip(a.get_weights(), b.get_weights()))
+
+
+@pytest.mark.parametrize("model_fn", [small_cnn, skip_model])
+@pytest.mark.parametrize("policy", ["offload_all", "sqrt_offload"])
+def test_weights_identical_to_keras_without_jit(model_fn, policy, mechanisms):
+    # Eager Keras runs the same XLA ops one by one: bit for bit. Against
+    # Keras's jitted step (XLA fuses differently) the weights differ by
+    # about one float32 ulp (1.2e-7 measured after 3 steps).
+    reference = train(model_fn)
+    callback = autovm(policy)
+    model = train(model_fn, [callback])
+    assert callback.plan.counts()["swap"] > 0
+    stats = callback.report.stats
+    assert stats["eager_steps"] == 3, stats
+    assert stats["bytes_freed"] == stats["bytes_to_host"] > 0, stats
+    assert stats["bytes_to_device"] == stats["bytes_to_host"], stats
+    assert stats["swaps_kept_on_device"] == 0, stats
+    assert max_diff(model, reference) == 0.0
+    assert max_diff(model, train(model_fn, jit_compile=True)) < 1e-6
+
+
+def test_swap_turns_jit_off_and_restores_it():
+    callback = autovm("offload_all")
+    model = train(small_cnn, [callback], jit_compile=True)
+    assert callback.report.stats["eager_steps"] == 3
+    assert model.jit_compile
+
+
+def live_device_bytes():
+    return sum(a.nbytes for a in jax.live_arrays()
+               if a.sharding.memory_kind == "device")
+
+
+def conv_chain(size=16):
+    """Layers without state: in keep_all each runs under `jax.checkpoint`,
+    so a layer's internals are not kept in either run."""
+    return keras.Sequential([
+        keras.Input((size, size, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1"),
+        keras.layers.Conv2D(8, 3, padding="same", name="c2"),
+        keras.layers.ReLU(name="r2"),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c3"),
+        keras.layers.MaxPooling2D(name="p1"),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c4"),
+        keras.layers.GlobalAveragePooling2D(name="gap"),
+        keras.layers.Dense(4, name="head"),
+    ])
+
+
+def forward_samples(monkeypatch, policy):
+    """Device bytes alive after each layer of the last training forward."""
+    samples = []
+    after = jax_mechanism.JaxMechanism.after_layer
+
+    def sample(self, name, outputs, applied):
+        outputs = after(self, name, outputs, applied)
+        samples.append((name, live_device_bytes()))
+        return outputs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jax_mechanism.JaxMechanism, "after_layer", sample)
+        callback = autovm(policy)
+        train(conv_chain, [callback], steps=1)
+    return samples[-len(callback.plan.graph.ops):], callback
+
+
+def test_swap_frees_device_memory_during_the_forward(monkeypatch):
+    kept, _ = forward_samples(monkeypatch, "keep_all")
+    swapped, callback = forward_samples(monkeypatch, "offload_all")
+    assert [n for n, _ in kept] == [n for n, _ in swapped]
+    graph = callback.plan.graph
+    swaps = [t for t, a in callback.plan.actions.items() if a == "swap"]
+    last_read = {t: max(graph.op_index[r] for r in graph.tensor_map[t].fwd_readers)
+                 for t in swaps}
+    # Before any free (the first model's weights are alive in the second run).
+    base = kept[0][1] - swapped[0][1]
+    for position, ((name, keep), (_, swap_)) in enumerate(zip(kept, swapped)):
+        freed = sum(graph.tensor_map[t].nbytes for t in swaps if last_read[t] <= position)
+        # The swapped bytes past their last forward reader are gone from
+        # the device, and nothing else differs.
+        assert keep - swap_ - base == freed, (name, keep, swap_, freed)
+    assert kept[-1][1] - swapped[-1][1] - base == callback.report.stats["bytes_freed"] > 0
+
+
+def bounded(monkeypatch, limit):
+    """Trains with copies that never finish on their own and at most
+    `limit` bytes in flight; returns the mechanism's stats."""
+    monkeypatch.setattr(swap.SwapStep, "_copy_done", staticmethod(lambda host: False))
+    monkeypatch.setattr(jax_mechanism.JaxMechanism, "swap_cost",
+                        lambda self, cost: dataclasses.replace(cost, max_in_flight_bytes=limit))
+    callback = autovm("offload_all")
+    train(small_cnn, [callback], steps=1)
+    return callback.report.stats
+
+
+def test_copies_in_flight_stay_within_the_bound(monkeypatch):
+    limit = 70_000  # small_cnn's 16x16x8 maps at batch 8 are 65,536 bytes.
+    stats = bounded(monkeypatch, limit)
+    assert stats["max_in_flight_bytes"] <= limit and stats["in_flight_waits"] > 0, stats
+    # A bound that does not bind: more is outstanding.
+    assert bounded(monkeypatch, 1e12)["max_in_flight_bytes"] > limit
+
+
+@pytest.mark.parametrize("model_fn", [small_cnn, skip_model])
+def test_prefetch_happens_where_the_plan_says(model_fn, mechanisms):
+    callback = autovm("offload_all")
+    train(model_fn, [callback], steps=1)
+    plan, events = callback.plan, mechanisms[-1].events
+    prefetched = {tag: i for i, (what, tag, op) in enumerate(events) if what == "prefetch"}
+    for tag, i in prefetched.items():
+        assert events[i][2] == plan.prefetch[tag]
+    first_use = {}
+    for i, (what, tag, reader) in enumerate(events):
+        if what == "use":
+            first_use.setdefault(tag, (i, reader))
+    at_use = 0
+    for tag, (i, reader) in first_use.items():
+        if reader in plan.graph.tensor_map[tag].bwd_readers:
+            # The copy back started at the trigger, before the planned reader.
+            assert prefetched.get(tag, len(events)) < i, (tag, reader, events)
+        else:
+            # A reader whose backward the plan says needs no `tag` (an
+            # `Add`) recomputes from its inputs: if it comes before the
+            # trigger, it copies `tag` back itself.
+            at_use += prefetched.get(tag, len(events)) > i
+    assert callback.report.stats["copy_backs_at_use"] == at_use
+    if model_fn is small_cnn:  # A chain: every copy back was prefetched.
+        assert callback.report.stats["copy_backs_at_use"] == 0
+        assert set(prefetched) == {t for t, a in plan.actions.items() if a == "swap"} - {"head"}
