@@ -98,10 +98,13 @@ def _fit(model, callbacks=()):
 
 @pytest.mark.parametrize("name", ["MobileNet", "MobileNetV3Small"])
 def test_small_application_trains_like_keras_own(name, request):
-    if BACKEND == "tensorflow":
-        # Known issue (docs/limitations.md): on TensorFlow both train to
-        # other weights (MobileNet 1.1e-2 away), under sqrt_recompute and
-        # offload_all alike; keep_all does not.
+    # Both end in a softmax whose logits Keras's TensorFlow loss reads:
+    # AutoVM keeps them (mechanisms/tensorflow/logits.py). These two steps
+    # are chaotic: a change of 1e-9 in MobileNet's initial weights moves
+    # plain Keras's to weights 1.4e-2 away, so any lost bit shows.
+    if BACKEND == "tensorflow" and name == "MobileNetV3Small":
+        # Known issue (docs/limitations.md): the recomputed forward rounds
+        # differently (moving statistics differ after one step).
         request.applymarker(pytest.mark.xfail(strict=True, reason="known issue"))
     policy = "sqrt_recompute"
     keras.utils.set_random_seed(3)
