@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from conftest import BACKEND
+from conftest import BACKEND, fit_two_steps
 from keras_autovm import applications
 
 NAMES = sorted(name for name, value in vars(keras.applications).items()
@@ -87,13 +87,7 @@ def test_every_constructor_wraps_and_plans(shapes_only, name):
 def _fit(model, callbacks=()):
     # A small step, and batches of 4: batch norm over 2 samples on random
     # labels makes large gradients, which amplify rounding.
-    model.compile(optimizer=keras.optimizers.SGD(1e-3),
-                  loss="sparse_categorical_crossentropy")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
-    model.fit(x, rng.integers(0, 4, size=(8,)), batch_size=4, epochs=1,
-              shuffle=False, verbose=0, callbacks=list(callbacks))
-    return model
+    return fit_two_steps(model, 32, 4, 1e-3, callbacks)
 
 
 @pytest.mark.parametrize("name", ["MobileNet", "MobileNetV3Small"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from conftest import BACKEND
+from conftest import BACKEND, fit_two_steps
 
 
 def block():
@@ -108,13 +108,7 @@ def _softmax_head():
 
 
 def _fit(model, callbacks=()):
-    model.compile(optimizer=keras.optimizers.SGD(1e-2),
-                  loss="sparse_categorical_crossentropy")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 8, 8, 3)).astype("float32")
-    model.fit(x, rng.integers(0, 3, size=(8,)), batch_size=4, verbose=0,
-              shuffle=False, callbacks=list(callbacks))
-    return model.get_weights()
+    return fit_two_steps(model, 8, 3, 1e-2, callbacks).get_weights()
 
 
 @pytest.mark.parametrize("policy", ["sqrt_recompute", "offload_all"])
