@@ -303,6 +303,27 @@ def tf_merge_pending_config(config):
     return True
 
 
+def tf_logits(x):
+    """The logits Keras's TensorFlow backend attached to `x`, or `None`.
+
+    On TensorFlow, `keras.activations.softmax` and `sigmoid` (and so
+    `Activation("softmax")`, `Dense(activation="softmax")`, ...) set their
+    input as `output._keras_logits`, and the cross-entropy losses compute
+    from those logits instead of from the probabilities
+    (`keras.src.backend.tensorflow.nn._get_logits`). Keras 3.15.1.
+    """
+    return getattr(x, "_keras_logits", None)
+
+
+def tf_set_logits(x, logits):
+    """Attaches `logits` to `x` as Keras's softmax and sigmoid do; like them,
+    does nothing on a tensor that takes no attributes. Keras 3.15.1."""
+    try:
+        x._keras_logits = logits
+    except AttributeError:
+        pass
+
+
 def tf_stop_recording():
     """A context in which no gradient tape records (`record.stop_recording`).
 

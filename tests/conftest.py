@@ -41,6 +41,18 @@ def skip_model(size=16):
     return keras.Model(inputs, outputs, name="skip_model")
 
 
+def fit_two_steps(model, size, classes, learning_rate, callbacks=()):
+    """Trains `model` two SGD steps of 4 random images (`size` square) with
+    random labels in `range(classes)`; returns it."""
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                  loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, size, size, 3)).astype("float32")
+    model.fit(x, rng.integers(0, classes, size=(8,)), batch_size=4, epochs=1,
+              shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model
+
+
 def data(n=32, size=16, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(n, size, size, 3)).astype("float32"),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from conftest import BACKEND
+from conftest import BACKEND, fit_two_steps
 from keras_autovm import applications
 
 NAMES = sorted(name for name, value in vars(keras.applications).items()
@@ -87,21 +87,18 @@ def test_every_constructor_wraps_and_plans(shapes_only, name):
 def _fit(model, callbacks=()):
     # A small step, and batches of 4: batch norm over 2 samples on random
     # labels makes large gradients, which amplify rounding.
-    model.compile(optimizer=keras.optimizers.SGD(1e-3),
-                  loss="sparse_categorical_crossentropy")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
-    model.fit(x, rng.integers(0, 4, size=(8,)), batch_size=4, epochs=1,
-              shuffle=False, verbose=0, callbacks=list(callbacks))
-    return model
+    return fit_two_steps(model, 32, 4, 1e-3, callbacks)
 
 
 @pytest.mark.parametrize("name", ["MobileNet", "MobileNetV3Small"])
 def test_small_application_trains_like_keras_own(name, request):
-    if BACKEND == "tensorflow":
-        # Known issue (docs/limitations.md): on TensorFlow both train to
-        # other weights (MobileNet 1.1e-2 away), under sqrt_recompute and
-        # offload_all alike; keep_all does not.
+    # Both end in a softmax whose logits Keras's TensorFlow loss reads:
+    # AutoVM keeps them (mechanisms/tensorflow/logits.py). These two steps
+    # are chaotic: a change of 1e-9 in MobileNet's initial weights moves
+    # plain Keras's to weights 1.4e-2 away, so any lost bit shows.
+    if BACKEND == "tensorflow" and name == "MobileNetV3Small":
+        # Known issue (docs/limitations.md): the recomputed forward rounds
+        # differently (moving statistics differ after one step).
         request.applymarker(pytest.mark.xfail(strict=True, reason="known issue"))
     policy = "sqrt_recompute"
     keras.utils.set_random_seed(3)

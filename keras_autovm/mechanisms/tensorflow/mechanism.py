@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
+from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
@@ -132,8 +133,10 @@ class TensorFlowMechanism(Mechanism):
 
     def recompute(self, fn):
         """`keras.remat(fn)`; under a policy that may swap explicitly,
-        `swap.recompute(fn)`, which leaves the step's numbers unchanged."""
-        return swap.recompute(fn) if self._own_recompute else super().recompute(fn)
+        `swap.recompute(fn)`, which leaves the step's numbers unchanged. The
+        last output keeps the logits a loss reads (`logits.recompute`)."""
+        run = swap.recompute if self._own_recompute else super().recompute
+        return logits.recompute(fn, run)
 
     def _explicit_for(self, applied):
         """The `ExplicitSwap` of the step being traced, or `None`."""
@@ -180,13 +183,16 @@ class TensorFlowMechanism(Mechanism):
             self._swapped[name] = [outputs, moves.uses[name]]
         evict = [self._use(t) for t in moves.evict_after.get(name, ())]
         if evict:
-            outputs = _ops().evict(outputs, evict)
+            # Stateful: it runs even where the loss reads the logits past it.
+            outputs = logits.through(outputs, lambda x: _ops().evict(x, evict),
+                                     on_logits=False)
             self.stats["evicts_inserted"] += len(evict)
         # A skip connection can put the trigger before the last forward
         # reader, so references are dropped after their last use, not first.
         fetch = [self._use(t) for t in moves.prefetch_at.get(name, ())]
         if fetch:
-            outputs = _ops().prefetch_on_backward(outputs, fetch)
+            outputs = logits.through(
+                outputs, lambda x: _ops().prefetch_on_backward(x, fetch))
             self.stats["prefetches_inserted"] += len(fetch)
         return outputs
 

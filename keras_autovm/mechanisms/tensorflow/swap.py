@@ -42,6 +42,7 @@ import keras
 import tensorflow as tf
 
 from keras_autovm import internals
+from keras_autovm.mechanisms.tensorflow import logits
 
 # Ops that read only a tensor's shape: left reading the device tensor.
 SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -119,11 +120,16 @@ class ExplicitSwap:
                     self.grads[what].setdefault(tag, found)
             return list(grads)
 
+        # Logits a loss reads instead (`logits.py`) are marked with them.
+        with_logits = [i for i, x in enumerate(flat) if internals.tf_logits(x) is not None]
+        inputs = flat + [internals.tf_logits(flat[i]) for i in with_logits]
         with internals.tf_stop_recording():
-            marked = [tf.identity(x) for x in flat]
-        internals.tf_record_operation("AutoVMMark", marked, flat, capture)
+            marked = [tf.identity(x) for x in inputs]
+        internals.tf_record_operation("AutoVMMark", marked, inputs, capture)
+        for i, marked_logits in zip(with_logits, marked[len(flat):]):
+            internals.tf_set_logits(marked[i], marked_logits)
         self.stats["marks"] += len(marks)
-        return marked
+        return marked[:len(flat)]
 
     # ----------------------------------------------------------- backward
 
@@ -190,13 +196,15 @@ def recompute(fn):
     across it), and the `x + 0` by which graph-mode `tf.recompute_grad`
     orders the replay after the gradient (it turns `-0.0` into `0.0`); here
     a control dependency orders it. Only `fn`'s last output carries a
-    gradient: the runtime hands the others to layers that ignore them.
+    gradient (the runtime hands the others to layers that ignore them), and
+    the one before it when the last is its logits (`logits.recompute`).
     """
     def run(*inputs):
         flat = [x for x in keras.tree.flatten(inputs) if isinstance(x, tf.Tensor)]
         with internals.tf_variable_watcher() as watcher, internals.tf_stop_recording():
             outputs = fn(*inputs)
         variables = [v for v in watcher.watched_variables() if v.trainable]
+        count = logits.carried(outputs)
 
         def backward(*grads):
             with tf.control_dependencies([g for g in grads if g is not None]):
@@ -204,14 +212,18 @@ def recompute(fn):
             sources = [x for x in xs if x.dtype.is_floating] + variables
             with tf.GradientTape() as tape:
                 tape.watch(sources)
-                again = fn(*keras.tree.pack_sequence_as(inputs, xs))[-1]
-            found = iter(tape.gradient(again, sources, output_gradients=list(grads)))
+                again = fn(*keras.tree.pack_sequence_as(inputs, xs))[-count:]
+            # A loss reads the probabilities or their logits, seldom both.
+            pairs = [(y, g) for y, g in zip(again, grads) if g is not None]
+            found = iter(tape.gradient([y for y, _ in pairs], sources,
+                                       output_gradients=[g for _, g in pairs]))
             return [next(found) if x.dtype.is_floating else None for x in xs] + list(found)
 
         # Reading each variable here watches it on Keras's tape, as a read
         # in the (unrecorded) forward would have.
         reads = [tf.convert_to_tensor(v) for v in variables]
-        internals.tf_record_operation("AutoVMRecompute", [outputs[-1]], flat + reads, backward)
+        internals.tf_record_operation("AutoVMRecompute", list(outputs[-count:]),
+                                      flat + reads, backward)
         return outputs
 
     return run
