@@ -213,7 +213,10 @@ def _recomputing(run, variables, tags, step, reader):
 
     def bwd(residuals, cotangents):
         kept, values = residuals
-        inputs = [step.take(t, reader) if t else x for x, t in zip(kept, tags)]
+        # One copy back per tensor, however often the call reads it
+        # (attention's query and value are one tensor).
+        back = {t: step.take(t, reader) for t in dict.fromkeys(tags) if t}
+        inputs = [back[t] if t else x for x, t in zip(kept, tags)]
         step.stats["recomputed_calls"] += 1
         wrt = [i for i, x in enumerate(inputs) if _is_float(x)]
         trained = [i for i, v in enumerate(variables) if v.trainable]
