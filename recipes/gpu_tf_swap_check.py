@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_autovm  # noqa: E402
-from keras_autovm import internals  # noqa: E402
+from keras_autovm.mechanisms.tensorflow import internals as tf_internals  # noqa: E402
 
 SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
 
@@ -108,7 +108,7 @@ def run(args, data, policy=None, graphs=False):
         model.fit(*data, batch_size=args.batch, epochs=1, shuffle=False,
                   callbacks=callbacks, verbose=0)
 
-    ran = internals.tf_function_graphs(fit) if graphs else fit()
+    ran = tf_internals.tf_function_graphs(fit) if graphs else fit()
     peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpu() else None
     times = sorted(callbacks[0].times[1:]) or callbacks[0].times
     result = {"policy": policy or "none", "peak_bytes": peak,

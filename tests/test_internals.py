@@ -18,6 +18,7 @@ import pytest
 
 from conftest import BACKEND, data, skip_model, small_cnn
 from keras_autovm import internals
+from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
 ROOT = Path(__file__).resolve().parents[1]
 # Names behind a framework's public API, allowed in internals.py only.
@@ -158,12 +159,12 @@ def test_ends_epoch():
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's context")
 def test_tf_pending_config_merges_before_start_only():
     code = ("import tensorflow as tf\n"
-            "from keras_autovm import internals\n"
+            "from keras_autovm.mechanisms.tensorflow import internals as tf_internals\n"
             "c = tf.compat.v1.ConfigProto()\n"
             "c.gpu_options.per_process_gpu_memory_fraction = 0.25\n"
-            "print(internals.tf_merge_pending_config(c))\n"
+            "print(tf_internals.tf_merge_pending_config(c))\n"
             "tf.constant(1.0) + 1\n"
-            "print(internals.tf_merge_pending_config(c))\n")
+            "print(tf_internals.tf_merge_pending_config(c))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -207,12 +208,12 @@ def test_tf_tape_reaches():
     x, v = tf.constant(3.0), tf.Variable(2.0)
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
-        with internals.tf_stop_recording():
+        with tf_internals.tf_stop_recording():
             unrecorded = x * 5.0
-        with internals.tf_variable_watcher() as watcher:
+        with tf_internals.tf_variable_watcher() as watcher:
             y = tf.identity(x * v)
         marked = tf.identity(x)
-        internals.tf_record_operation("Doubles", [marked], [x], lambda g: [2.0 * g])
+        tf_internals.tf_record_operation("Doubles", [marked], [x], lambda g: [2.0 * g])
     assert tape.gradient(unrecorded, x) is None
     assert [w.name for w in watcher.watched_variables()] == [v.name]
     assert float(tape.gradient(y, v)) == 3.0
@@ -226,11 +227,11 @@ def test_tf_replace_input_and_function_graphs():
     @tf.function
     def f(a, b):
         total = tf.add(a, a, name="total")
-        internals.tf_replace_input(total.op, 1, b)
+        tf_internals.tf_replace_input(total.op, 1, b)
         return total
 
     # Graphs of the functions TensorFlow instantiates during the call.
-    graphs = internals.tf_function_graphs(f, tf.constant(1.0), tf.constant(10.0))
+    graphs = tf_internals.tf_function_graphs(f, tf.constant(1.0), tf.constant(10.0))
     assert float(f(tf.constant(1.0), tf.constant(10.0))) == 11.0
     assert graphs and all(g.pre_optimization_graph.node and g.partition_graphs
                           for g in graphs)

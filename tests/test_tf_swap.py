@@ -150,14 +150,14 @@ def test_managed_mode_still_moves_pages(monkeypatch):
 @pytest.fixture(scope="module")
 def traced():
     """small_cnn under offload_all: the callback and the graphs it ran."""
-    from keras_autovm import internals
+    from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
     keras.utils.set_random_seed(7)
     model = small_cnn()
     model.name = "traced_cnn"  # Earlier tests' small_cnn steps can be listed too.
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     callback = autovm(small_cnn, "offload_all")
-    graphs = internals.tf_function_graphs(lambda: model.fit(
+    graphs = tf_internals.tf_function_graphs(lambda: model.fit(
         *data(16), batch_size=8, callbacks=[callback], verbose=0))
     optimized = [g.post_optimization_graph for g in graphs
                  if any("traced_cnn" in n.name for n in g.post_optimization_graph.node)]
@@ -227,7 +227,7 @@ TWO_DEVICES = """
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras, keras_autovm
     from conftest import data, small_cnn
-    from keras_autovm import internals
+    from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
     keras.utils.set_random_seed(7)
     # /CPU:1 plays the GPU, /CPU:0 its host.
@@ -236,7 +236,7 @@ TWO_DEVICES = """
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
         callback = keras_autovm.AutoVM(budget="1GiB", policy="offload_all",
                                        verbose=0, apply_without_gpu=True)
-        graphs = internals.tf_function_graphs(lambda: model.fit(
+        graphs = tf_internals.tf_function_graphs(lambda: model.fit(
             *data(16), batch_size=8, callbacks=[callback], verbose=0))
     moves = []
     for function in graphs:

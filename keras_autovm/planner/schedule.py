@@ -207,7 +207,7 @@ def _schedule(ix, actions, replay=False):
 
     chains = replay_chains(ix, actions) if replay else {}
     made = collections.defaultdict(list)  # Op index -> its recomputed tensors.
-    for t, action in actions.items():
+    for t, action in actions.items() if chains else ():
         if action == "recompute":
             made[ix.producer[t]].append(t)
 

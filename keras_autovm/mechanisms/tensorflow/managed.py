@@ -5,7 +5,7 @@ its pages can move to the host and back while its address stays the same,
 which is what AutoVM's TensorFlow swap (evict/prefetch ops) relies on.
 """
 
-from keras_autovm import internals
+from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
 _state = {"enabled": False, "memory_fraction": None}
 
@@ -48,7 +48,7 @@ def enable_managed_memory(memory_fraction=0.9):
     config = tf.compat.v1.ConfigProto()
     config.gpu_options.experimental.use_unified_memory = True
     config.gpu_options.per_process_gpu_memory_fraction = float(memory_fraction)
-    if not internals.tf_merge_pending_config(config):
+    if not tf_internals.tf_merge_pending_config(config):
         raise RuntimeError(
             "enable_managed_memory() must be called before TensorFlow "
             "initialises the GPU (before any model is built or run); it has "

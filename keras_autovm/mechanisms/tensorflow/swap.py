@@ -9,7 +9,7 @@ For each layer output `t` the plan swaps, in one traced training step
 - **The backward reads the copy.** TensorFlow builds the training step as
   it would without AutoVM. Then every backward op that reads `t` (or an
   identity of it) is pointed at `t`'s copy back instead
-  (`internals.tf_replace_input`). No backward op reads the device `t`, so
+  (`tf_internals.tf_replace_input`). No backward op reads the device `t`, so
   TensorFlow frees it after its last forward reader. Shape-only ops
   (`Shape`, `ShapeN`, `Size`, `Rank`) keep reading `t`: they need no data
   and run in the forward pass, as soon as `t` exists.
@@ -41,7 +41,7 @@ does not bypass a node when that would add device crossings.
 import keras
 import tensorflow as tf
 
-from keras_autovm import internals
+from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 from keras_autovm.mechanisms.tensorflow import logits
 
 # Ops that read only a tensor's shape: left reading the device tensor.
@@ -94,7 +94,7 @@ class ExplicitSwap:
         flat = keras.tree.flatten(outputs)
         for x, tag in zip(flat, spec.outputs):
             if tag in self.swapped and tag not in self.host:
-                with internals.tf_stop_recording(), tf.name_scope("autovm_swap_out"), \
+                with tf_internals.tf_stop_recording(), tf.name_scope("autovm_swap_out"), \
                         tf.device("/CPU:0"):
                     self.host[tag] = tf.raw_ops.Snapshot(input=x, name="host_copy")
                 self.device[tag] = x.device or _default_device()
@@ -121,13 +121,13 @@ class ExplicitSwap:
             return list(grads)
 
         # Logits a loss reads instead (`logits.py`) are marked with them.
-        with_logits = [i for i, x in enumerate(flat) if internals.tf_logits(x) is not None]
-        inputs = flat + [internals.tf_logits(flat[i]) for i in with_logits]
-        with internals.tf_stop_recording():
+        with_logits = [i for i, x in enumerate(flat) if tf_internals.tf_logits(x) is not None]
+        inputs = flat + [tf_internals.tf_logits(flat[i]) for i in with_logits]
+        with tf_internals.tf_stop_recording():
             marked = [tf.identity(x) for x in inputs]
-        internals.tf_record_operation("AutoVMMark", marked, inputs, capture)
+        tf_internals.tf_record_operation("AutoVMMark", marked, inputs, capture)
         for i, marked_logits in zip(with_logits, marked[len(flat):]):
-            internals.tf_set_logits(marked[i], marked_logits)
+            tf_internals.tf_set_logits(marked[i], marked_logits)
         self.stats["marks"] += len(marks)
         return marked[:len(flat)]
 
@@ -147,7 +147,7 @@ class ExplicitSwap:
             first = min(order[op.name] for op, _ in reads)
             copy = self._copy_back(tag, self._gate(tag, first, order))
             for op, i in reads:
-                internals.tf_replace_input(op, i, copy)
+                tf_internals.tf_replace_input(op, i, copy)
             self.stats["reads_rewired"] += len(reads)
 
     def _backward_reads(self, tag, order):
@@ -201,7 +201,7 @@ def recompute(fn):
     """
     def run(*inputs):
         flat = [x for x in keras.tree.flatten(inputs) if isinstance(x, tf.Tensor)]
-        with internals.tf_variable_watcher() as watcher, internals.tf_stop_recording():
+        with tf_internals.tf_variable_watcher() as watcher, tf_internals.tf_stop_recording():
             outputs = fn(*inputs)
         variables = [v for v in watcher.watched_variables() if v.trainable]
         count = logits.carried(outputs)
@@ -222,7 +222,7 @@ def recompute(fn):
         # Reading each variable here watches it on Keras's tape, as a read
         # in the (unrecorded) forward would have.
         reads = [tf.convert_to_tensor(v) for v in variables]
-        internals.tf_record_operation("AutoVMRecompute", list(outputs[-count:]),
+        tf_internals.tf_record_operation("AutoVMRecompute", list(outputs[-count:]),
                                       flat + reads, backward)
         return outputs
 
