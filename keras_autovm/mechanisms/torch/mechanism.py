@@ -25,6 +25,7 @@ class TorchMechanism(Mechanism):
 
     backend = "torch"
     in_flight_seconds = IN_FLIGHT_SECONDS
+    reruns_steps = True  # Eager: a step that ran out of memory can run again.
 
     def __init__(self):
         super().__init__()
@@ -82,8 +83,6 @@ class TorchMechanism(Mechanism):
     def moved_bytes(self):
         return {"to_host": self.stats["bytes_to_host"],
                 "to_device": self.stats["bytes_to_device"]}
-
-    reruns_steps = True
 
     def out_of_memory(self, error):
         """A CUDA out-of-memory error from the forward or backward pass:
