@@ -43,7 +43,7 @@ def run_step(runtime, model, original, args, x):
         except Exception as error:  # noqa: BLE001 -- re-raised unless recoverable
             if not mechanism.out_of_memory(error):
                 raise
-            reason = str(error).strip().splitlines()[-1][:200]
+            reason = str(error).strip().splitlines()[-1][:480]
         else:
             runtime.proven.add(applied)
             return result

@@ -31,12 +31,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # gpu_swap: versions and the GPU's memory.
 GiB = 2**30
 POLICIES = ("keep_all", "offload_all", "greedy_offload")
+# Plain Keras, jitted, under the same cap: what a user gets without AutoVM.
+PEERS = ("keras_jit",)
 
 
 # ------------------------------------------------------------ in the child
 
 
-def build(smoke):
+def build(smoke, jit=False):
     import keras
     keras.utils.set_random_seed(0)
     if smoke:
@@ -51,7 +53,7 @@ def build(smoke):
     else:
         model = keras.applications.VGG19(weights=None)
     model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss="sparse_categorical_crossentropy", jit_compile=False)
+                  loss="sparse_categorical_crossentropy", jit_compile=jit)
     return model
 
 
@@ -61,13 +63,13 @@ def child(args):
     import numpy as np
 
     out = {"batch": args.batch, "policy": args.policy}
-    model = build(args.smoke)
+    model = build(args.smoke, jit=args.policy == "keras_jit")
     size, classes = (32, 10) if args.smoke else (224, 1000)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, size, size, 3)).astype("float32")
     y = rng.integers(0, classes, args.batch * args.steps)
     callbacks = [timer()]
-    if args.policy != "reference":
+    if args.policy not in ("reference",) + PEERS:
         import keras_autovm
         budget = int(args.cap_gib * GiB) if args.policy == "greedy_offload" else None
         if args.smoke and budget is None:
@@ -167,6 +169,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default=None, help="default 64,128 (smoke: 8,16)")
     parser.add_argument("--cap-gib", type=float, default=12.0)
+    parser.add_argument("--policies", default=",".join(("reference",) + POLICIES),
+                        help=f"of reference, {', '.join(POLICIES + PEERS)}")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=int, default=75, help="seconds per run")
     parser.add_argument("--smoke", action="store_true", help="tiny CNN on the CPU")
@@ -185,7 +189,7 @@ def main():
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
                "versions": versions(args.smoke), "runs": []}
     for batch in batches:
-        for policy in ("reference",) + POLICIES:
+        for policy in args.policies.split(","):
             run = spawn(args, batch, policy, capped=policy != "reference")
             results["runs"].append(run)
             print(line(run), flush=True)

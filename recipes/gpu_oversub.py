@@ -83,6 +83,7 @@ def spawn(args, method, cap_gib):
     run = json.loads(lines[-1][7:]) if lines else {"method": method, "status": "crashed",
                                                    "log_tail": text[-1500:]}
     run["wall_s"] = time.time() - start
+    run.setdefault("log_tail", text[-2500:])
     return run
 
 
@@ -143,11 +144,12 @@ def main():
         return child(args)
     methods = [m for m in args.methods.split(",")
                if m != "save_on_cpu" or args.backend == "torch"]
+    # Before `versions`, which imports Keras: its backend is fixed at import.
+    os.environ["KERAS_BACKEND"] = args.backend
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv), "backend": args.backend,
                "model": args.model, "batch": args.batch, "methods": methods,
                "versions": gpu_swap.versions(args.backend), "factors": []}
-    os.environ["KERAS_BACKEND"] = args.backend
     reference = spawn(args, "incore", 0.0)
     results["incore_uncapped"] = reference
     print(f"in-core uncapped: {reference.get('status')}, "

@@ -39,6 +39,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -136,9 +137,14 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
         y = rng.integers(0, 1000, batch * steps)
-        with auto_choosing(method):
-            model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
-                      callbacks=callbacks, verbose=0)
+        with auto_choosing(method), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
+                          callbacks=callbacks, verbose=0)
+            finally:  # What AutoVM said (replans after running out of memory).
+                out["warnings"] = [str(w.message)[:1200] for w in said
+                                   if "AutoVM" in str(w.message)][-8:]
         times = callbacks[-1].times[1:] or callbacks[-1].times
         out.update(status="ok", step_s=float(np.median(times)),
                    images_per_s=batch / float(np.median(times)),
@@ -151,6 +157,9 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         oom = any(k in text for k in ("out of memory", "OutOfMemory", "RESOURCE_EXHAUSTED", "OOM"))
         out.update(status="oom" if oom else "error", error=text[-1500:])
     out["peak_bytes"] = peak(backend)
+    if backend == "torch" and _gpu():  # The cap limits reserved memory.
+        import torch
+        out["reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     free(backend)
     return out
 
@@ -193,8 +202,18 @@ def timer(backend):
             float(logs["loss"])  # Waits for the device.
             self.times.append(time.perf_counter() - self.start)
             self.marks.append((f"end{batch}", peak(backend)))
+            # As it goes: a run that fails later still shows how far it got.
+            print(f"MARK end{batch} peak {self.marks[-1][1]} {in_use(backend)}", flush=True)
 
     return StepTimer()
+
+
+def in_use(backend):
+    """torch's allocated and reserved bytes now (None elsewhere)."""
+    if backend != "torch" or not _gpu():
+        return None
+    import torch
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 def reset_peak(backend):
@@ -315,13 +334,23 @@ def predict(args, model):
         keep = one(args, model, "autovm_keep", batch, args.steps, 2, capped=False,
                    policy="keep_all")
         runs.append(keep)
-        budget = int(keep["predicted_peak_bytes"] * 0.6) \
-            if keep.get("predicted_peak_bytes") else None
-        runs.append(one(args, model, "autovm_offload", batch, args.steps, 2,
-                        capped=False, policy="offload_all"))
+        offload = one(args, model, "autovm_offload", batch, args.steps, 2,
+                      capped=False, policy="offload_all")
+        runs.append(offload)
+        budget = greedy_budget(keep, offload)
         runs.append(one(args, model, "autovm_greedy", batch, args.steps, 2,
                         capped=False, policy="greedy_offload", budget=budget))
     return runs
+
+
+def greedy_budget(keep, offload):
+    """A budget whose plan limit lies halfway between the offload-all and
+    keep-all predictions, so the greedy policy swaps some, not all."""
+    import keras_autovm
+    peaks = [r.get("predicted_peak_bytes") for r in (keep, offload)]
+    if not all(peaks):
+        return None
+    return int(sum(peaks) / 2 / (1 - keras_autovm.budget.DEFAULT_HEADROOM))
 
 
 def part_one(args):

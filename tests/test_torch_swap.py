@@ -210,17 +210,23 @@ def _flaky_cnn():
     ])
 
 
-def test_first_step_out_of_memory_is_replanned_and_run_again():
-    # The step ran out of memory under a plan that fit the budget: AutoVM
-    # learns that the model needs at least the whole budget's worth more,
-    # replans tighter, restores what the failed forward changed, and trains
-    # to the weights of a run that never failed.
+def _roomy_budget(with_keep=False):
+    """A budget 1.3x what keeping everything needs: `auto` keeps all."""
     keras.utils.set_random_seed(7)
     model = _flaky_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     keep = keras_autovm.plan(model, batch_size=8, budget="1GiB", policy="keep_all",
                              headroom=0)
     budget = int(keep.result.peak_bytes / 0.85 * 1.3)
+    return (keep, budget) if with_keep else budget
+
+
+def test_first_step_out_of_memory_is_replanned_and_run_again():
+    # The step ran out of memory under a plan that fit the budget: AutoVM
+    # learns that the model needs at least the whole budget's worth more,
+    # replans tighter, restores what the failed forward changed, and trains
+    # to the weights of a run that never failed.
+    keep, budget = _roomy_budget(with_keep=True)
 
     def run(fails):
         _RunsOutOnce.failures = 0 if fails else 1
@@ -239,6 +245,36 @@ def test_first_step_out_of_memory_is_replanned_and_run_again():
     assert replanned.report.stats["memory_scale"] > 1.5
     for a, b in zip(theirs.get_weights(), ours.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_failed_step_leaves_no_activations_behind(monkeypatch):
+    # Saved-tensor hooks make cycles through autograd's C++ graph (a saved
+    # output holds its own node), which only a finished backward breaks:
+    # without letting go of them, a step that ran out of memory kept its
+    # activations, and the step run again under the new plan ran out too.
+    import gc
+    import weakref
+
+    from keras_autovm.mechanisms.torch import swap
+    saved = []
+    pack = swap.Step.pack
+
+    def recording(self, tensor):
+        if tensor.dim() == 4 and tensor.shape[0] == 8:
+            saved.append(weakref.ref(tensor))
+        return pack(self, tensor)
+
+    monkeypatch.setattr(swap.Step, "pack", recording)
+    _RunsOutOnce.failures = 0
+    callback = keras_autovm.AutoVM(budget=_roomy_budget(), verbose=0,
+                                   apply_without_gpu=True)
+    callback.on_train_end = lambda logs=None: None  # The model stays patched.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(_flaky_cnn, [callback], epochs=1)
+    gc.collect()
+    assert callback._runtime.stats["out_of_memory_replans"] == 1
+    assert saved and not [r for r in saved if r() is not None]
 
 
 def test_out_of_memory_in_the_optimizer_is_not_rerun():

@@ -7,6 +7,7 @@ reader has run."""
 import functools
 import gc
 import traceback
+import weakref
 
 import keras
 import torch
@@ -36,6 +37,7 @@ class TorchMechanism(Mechanism):
         self._pool = None
         self._stream = None
         self._step = None
+        self._last_step = None  # A weak reference, for `release_memory`.
 
     def actions(self):
         return ("keep", "swap", "recompute")
@@ -95,6 +97,9 @@ class TorchMechanism(Mechanism):
                        for frame in traceback.extract_tb(error.__traceback__))
 
     def release_memory(self):
+        step = self._last_step() if self._last_step else None
+        if step is not None:  # Alive after its step: the step failed.
+            step.abandon()
         gc.collect()  # The failed step's graph, if a cycle holds it.
         if self.gpu_available():
             torch.cuda.empty_cache()
@@ -108,6 +113,7 @@ class TorchMechanism(Mechanism):
             if not kwargs.get("training"):
                 return call(inputs, *args, **kwargs)
             self._step = self._new_step(runtime.plan_for_inputs(inputs), model, inputs)
+            self._last_step = weakref.ref(self._step)
             hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack,
                                                              self._step.unpack)
             try:

@@ -85,7 +85,7 @@ class Copy:
 class Saved:
     """What autograd keeps for a saved tensor: the tensor, or its `Copy`."""
 
-    __slots__ = ("tensor", "copy", "dtype", "size", "stride", "offset")
+    __slots__ = ("tensor", "copy", "dtype", "size", "stride", "offset", "__weakref__")
 
     def __init__(self, tensor):
         self.tensor, self.copy = tensor, None
@@ -138,6 +138,8 @@ class Step:
         self.cursor = 0
         self.in_flight = collections.deque()  # (event, nbytes)
         self.held = collections.deque()  # (event, storage): freed once copied
+        # Weakly: autograd owns the handles, and frees each after its use.
+        self.handles = []
 
     # ------------------------------------------------- autograd's hooks
 
@@ -148,6 +150,7 @@ class Step:
         if storage.nbytes() < MIN_BYTES or key in self.weights:
             return tensor
         handle = Saved(tensor)
+        self.handles.append(weakref.ref(handle))
         self.saved[key].append(handle)
         self.pending.append((key, storage))
         return handle
@@ -196,6 +199,21 @@ class Step:
         self.storages.clear()
         self.copies.clear()
         self.saved.clear()
+
+    def abandon(self):
+        """Lets go of a step whose backward will not run (it failed). A
+        handle holding a layer's output is held by that output's own node
+        (a cycle through autograd's C++ graph that Python's collector
+        cannot see); only a finished backward would break it."""
+        for ref in self.handles:
+            handle = ref()
+            if handle is not None:
+                handle.tensor = handle.copy = None
+        self.handles.clear()
+        self.forward_done()
+        self.pending.clear()
+        self.in_flight.clear()
+        self.held.clear()
 
     def _swap_internal(self, name):
         """Swaps what layer `name` saved that is no layer output, if the
