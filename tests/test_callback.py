@@ -92,9 +92,17 @@ def test_auto_under_a_tight_budget_fits_and_trains():
     assert_same_weights(reference, trained, exact=False)
 
 
-def test_budget_below_feasible_minimum_fails_before_training():
+def test_budget_below_feasible_minimum_fails_before_training(monkeypatch):
+    # Before timing layers too: on a GPU under a tight cap, the timing pass
+    # ran out of memory before the PlanError could name the budget.
+    from keras_autovm import profiling
+    timed = []
+    obtain = profiling.obtain
+    monkeypatch.setattr(profiling, "obtain",
+                        lambda *a, **k: timed.append(1) or obtain(*a, **k))
     with pytest.raises(keras_autovm.PlanError, match="smallest feasible budget"):
-        train(small_cnn, [autovm(budget=1000)])
+        train(small_cnn, [autovm(budget=1000, profile="auto", batch_size=8)])
+    assert not timed
 
 
 def test_model_is_restored_after_training():
