@@ -277,6 +277,35 @@ def test_a_failed_step_leaves_no_activations_behind(monkeypatch):
     assert saved and not [r for r in saved if r() is not None]
 
 
+def test_a_replay_leaves_nothing_for_the_cycle_collector():
+    # torch's checkpoint stops a replay early by raising an exception whose
+    # traceback holds the replay's frames, with their tensors: a cycle that
+    # kept a step's recomputed activations until Python's collector
+    # happened to run, which GPU memory does not prompt.
+    import gc
+    import types
+    left = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left.append(sum(isinstance(o, types.TracebackType) for o in gc.garbage))
+            gc.set_debug(0)
+            gc.garbage.clear()
+
+    gc.collect()
+    gc.disable()
+    try:
+        callback = keras_autovm.AutoVM(budget="1GiB", policy="sqrt_recompute",
+                                       verbose=0, apply_without_gpu=True)
+        train(small_cnn, [callback, Count()], epochs=1)
+    finally:
+        gc.enable()
+    assert callback.report.plan.counts()["recompute"] > 0
+    assert left and left == [0] * len(left)
+
+
 def test_out_of_memory_in_the_optimizer_is_not_rerun():
     # Weights may be half updated there: the error is the user's.
     import torch

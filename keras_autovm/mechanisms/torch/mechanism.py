@@ -117,7 +117,11 @@ class TorchMechanism(Mechanism):
             hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack,
                                                              self._step.unpack)
             try:
-                with hooks:
+                # A replay stopped early raises an exception whose traceback
+                # holds the replay's frames: a cycle that keeps the step's
+                # memory until Python's collector runs. The plan replays
+                # whole segments anyway (`replays_segments`).
+                with hooks, torch.utils.checkpoint.set_checkpoint_early_stop(False):
                     return call(inputs, *args, **kwargs)
             finally:
                 self._step.forward_done()
