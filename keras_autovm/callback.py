@@ -175,13 +175,14 @@ class AutoVM(keras.callbacks.Callback):
             self.budget, self._mechanism.device_memory())
         fit = internals.running_fit()
         batch_size = self.batch_size or internals.batch_size_of(fit.get("epoch_iterator"))
-        if batch_size and not budget_lib.needs_input_shapes(self._target):
-            self._check_feasible(batch_size)
+        cost = self.cost or calibration.measured_cost(self._mechanism)
+        if (self.profile == "auto" and batch_size
+                and not budget_lib.needs_input_shapes(self._target)):
+            self._check_feasible(batch_size, cost)
         self.measured, self._profile_source = profiling.for_fit(
             self.profile, self._target, batch_size, self._mechanism,
             verbose=self.verbose and (self.params or {}).get("verbose", 1) in (1, "auto"),
             limit_bytes=int(self._budget_bytes * (1 - self.headroom)))
-        cost = self.cost or calibration.measured_cost(self._mechanism)
         if self.measured is not None:
             cost = self.measured.cost(cost, self._mechanism.copy_link)
         plans = budget_lib.PlanBook(
@@ -199,14 +200,12 @@ class AutoVM(keras.callbacks.Callback):
         self._applied = False
         self._summaries = _summary_writer(self.log_dir, fit.get("callbacks"))
 
-    def _check_feasible(self, batch_size):
+    def _check_feasible(self, batch_size, cost):
         """Raises the `PlanError` of a budget no plan meets before layers
         are timed: whether any plan fits does not depend on layer times,
         and timing under such a budget can itself run out of memory."""
-        budget_lib.PlanBook(
-            self._target, self._budget_bytes, self.headroom, self.policy,
-            self.cost or calibration.measured_cost(self._mechanism),
-            self._mechanism).plan(batch_size)
+        budget_lib.PlanBook(self._target, self._budget_bytes, self.headroom,
+                            self.policy, cost, self._mechanism).plan(batch_size)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._patches is None:

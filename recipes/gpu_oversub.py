@@ -80,10 +80,8 @@ def spawn(args, method, cap_gib):
     except subprocess.TimeoutExpired:
         return {"method": method, "status": "timeout", "wall_s": time.time() - start}
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    run = json.loads(lines[-1][7:]) if lines else {"method": method, "status": "crashed",
-                                                   "log_tail": text[-1500:]}
-    run["wall_s"] = time.time() - start
-    run.setdefault("log_tail", text[-2500:])
+    run = json.loads(lines[-1][7:]) if lines else {"method": method, "status": "crashed"}
+    run.update(wall_s=time.time() - start, log_tail=text[-2500:])
     return run
 
 

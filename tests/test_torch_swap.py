@@ -210,15 +210,15 @@ def _flaky_cnn():
     ])
 
 
-def _roomy_budget(with_keep=False):
-    """A budget 1.3x what keeping everything needs: `auto` keeps all."""
+def _roomy_budget():
+    """The keep-all plan, and a budget 1.3x what it needs: `auto` keeps all."""
     keras.utils.set_random_seed(7)
     model = _flaky_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     keep = keras_autovm.plan(model, batch_size=8, budget="1GiB", policy="keep_all",
                              headroom=0)
     budget = int(keep.result.peak_bytes / 0.85 * 1.3)
-    return (keep, budget) if with_keep else budget
+    return keep, budget
 
 
 def test_first_step_out_of_memory_is_replanned_and_run_again():
@@ -226,7 +226,7 @@ def test_first_step_out_of_memory_is_replanned_and_run_again():
     # learns that the model needs at least the whole budget's worth more,
     # replans tighter, restores what the failed forward changed, and trains
     # to the weights of a run that never failed.
-    keep, budget = _roomy_budget(with_keep=True)
+    keep, budget = _roomy_budget()
 
     def run(fails):
         _RunsOutOnce.failures = 0 if fails else 1
@@ -266,8 +266,8 @@ def test_a_failed_step_leaves_no_activations_behind(monkeypatch):
 
     monkeypatch.setattr(swap.Step, "pack", recording)
     _RunsOutOnce.failures = 0
-    callback = keras_autovm.AutoVM(budget=_roomy_budget(), verbose=0,
-                                   apply_without_gpu=True)
+    _, budget = _roomy_budget()
+    callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True)
     callback.on_train_end = lambda logs=None: None  # The model stays patched.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
