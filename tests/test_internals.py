@@ -220,6 +220,51 @@ def test_tf_tape_reaches():
     assert float(tape.gradient(marked, x)) == 2.0
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="Keras's TensorFlow losses")
+def test_tf_logits_are_where_keras_losses_find_them():
+    import tensorflow as tf
+
+    # Saturated: from the probabilities the loss clips, from the logits not.
+    logits = tf.constant([[60.0, 0.0, -60.0]])
+    target = tf.constant([[0.0, 0.0, 1.0]])
+    from_logits = {
+        "categorical": tf.nn.softmax_cross_entropy_with_logits(target, logits),
+        "binary": tf.nn.sigmoid_cross_entropy_with_logits(target, logits)}
+
+    @tf.function
+    def found():
+        l = tf.identity(logits)
+        attached, softmax, sigmoid = (keras.activations.softmax(l), tf.nn.softmax(l),
+                                      tf.math.sigmoid(l))
+        assert tf_internals.tf_logits(attached) is l
+        assert tf_internals.tf_op_logits(attached) == (None, None)
+        assert tf_internals.tf_logits(softmax) is None
+        assert tf_internals.tf_op_logits(softmax) == ("Softmax", l)
+        assert tf_internals.tf_op_logits(sigmoid) == ("Sigmoid", l)
+        other = tf.identity(softmax)
+        tf_internals.tf_set_logits(other, l)
+        assert tf_internals.tf_logits(other) is l
+        assert tf_internals.tf_op_logits(l) == (None, None)
+        probabilities = tf.identity(softmax)  # No longer made by the op.
+        return {"categorical": keras.ops.categorical_crossentropy(target, softmax),
+                "categorical_of_probabilities": keras.ops.categorical_crossentropy(
+                    target, probabilities),
+                "binary": keras.ops.binary_crossentropy(target, sigmoid),
+                "binary_of_softmax": keras.ops.binary_crossentropy(target, softmax),
+                "binary_of_probabilities": keras.ops.binary_crossentropy(
+                    target, probabilities)}
+
+    losses = found()
+    np.testing.assert_array_equal(losses["categorical"], from_logits["categorical"])
+    np.testing.assert_array_equal(losses["binary"], from_logits["binary"])
+    assert not np.allclose(losses["categorical_of_probabilities"], losses["categorical"])
+    # Each loss reads only its own op's logits: binary cross-entropy reads a
+    # softmax's probabilities.
+    np.testing.assert_array_equal(losses["binary_of_softmax"],
+                                  losses["binary_of_probabilities"])
+    assert tf_internals.tf_op_logits(tf.nn.softmax(logits)) == (None, None)  # Eager.
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graphs")
 def test_tf_replace_input_and_function_graphs():
     import tensorflow as tf

@@ -92,7 +92,9 @@ def _grad(fn, x):
     return x.grad.numpy()
 
 
-def _softmax_head():
+def _softmax_head(head=None):
+    """A model whose softmax saturates: `Dense(activation="softmax")`, or a
+    `Dense` then `Lambda(head)` with `head` a raw TensorFlow op."""
     keras.utils.set_random_seed(4)
     inputs = keras.Input((8, 8, 3))
     x = inputs
@@ -102,8 +104,12 @@ def _softmax_head():
     # Large logits: a probability rounds to 0, which a loss computed from
     # the probabilities clips and one computed from the logits does not.
     init = keras.initializers.RandomNormal(stddev=30.0)
-    outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=init,
-                                 name="head")(x)
+    if head is None:
+        outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=init,
+                                     name="head")(x)
+    else:
+        x = keras.layers.Dense(3, kernel_initializer=init, name="logits")(x)
+        outputs = keras.layers.Lambda(head, name="head")(x)
     return keras.Model(inputs, outputs)
 
 
@@ -126,5 +132,56 @@ def test_softmax_head_in_a_segment_trains_like_keras_own(policy):
         assert plan.segments[-1][-1] == "head"
     else:
         assert plan.counts()["swap"] > 0
+    for a, b in zip(theirs, ours):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def tf_op_library():
+    from keras_autovm.native import build as native_build
+    native_build.build_tf_ops()  # Builds it, or finds it up to date.
+
+
+def _fit_one_hot(model, loss, callbacks=()):
+    model.compile(optimizer=keras.optimizers.SGD(1e-2), loss=loss)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 8, 8, 3)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, size=(8,))]
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+    return model.get_weights()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a raw TensorFlow op as the head")
+@pytest.mark.parametrize("loss", ["categorical_crossentropy", "binary_crossentropy"])
+@pytest.mark.parametrize("head", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("policy, managed_mode", [
+    ("sqrt_recompute", False), ("sqrt_offload", False), ("offload_all", False),
+    ("offload_all", True)])
+def test_raw_tensorflow_head_trains_like_keras_own(policy, managed_mode, head, loss,
+                                                   monkeypatch, request):
+    # Keras's TensorFlow cross-entropy also computes from the logits of a
+    # graph tensor made by a Softmax op (the categorical losses) or a
+    # Sigmoid op (binary cross-entropy). A segment ending in the raw op, a
+    # swap's mark or a managed pass-through on it hid the op: the loss came
+    # from the probabilities (weights 2.9 and 1.0 away). Logits attached to
+    # the replacement instead would be read by every loss, the mismatched
+    # ones too (weights 1.0 and 3.2 away).
+    import tensorflow as tf
+
+    op = {"softmax": tf.nn.softmax, "sigmoid": tf.math.sigmoid}[head]
+    theirs = _fit_one_hot(_softmax_head(op), loss)
+    if managed_mode:
+        from keras_autovm.mechanisms.tensorflow import managed
+        request.getfixturevalue("tf_op_library")
+        monkeypatch.setitem(managed._state, "enabled", True)
+    callback = keras_autovm.AutoVM(budget="1GiB", policy=policy, verbose=0,
+                                   apply_without_gpu=True)
+    ours = _fit_one_hot(_softmax_head(op), loss, [callback])
+    plan = callback.report.plan
+    if policy == "offload_all":
+        assert plan.counts()["swap"] > 0
+    else:
+        assert plan.segments[-1][-1] == "head"
     for a, b in zip(theirs, ours):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

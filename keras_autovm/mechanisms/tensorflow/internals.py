@@ -45,6 +45,26 @@ def tf_logits(x):
     return getattr(x, "_keras_logits", None)
 
 
+def tf_op_logits(x):
+    """`(op_type, logits)` where Keras's TensorFlow losses recognise `x` by
+    the op that made it, else `(None, None)`.
+
+    Where `x` carries no `_keras_logits` (`tf_logits`), the cross-entropy
+    losses take a graph tensor made by a `Softmax` op (the categorical
+    ones) or a `Sigmoid` op (binary cross-entropy), such as a raw
+    `tf.nn.softmax` in a `Lambda`, as probabilities of that op's one input,
+    and compute from the input (`keras.src.backend.tensorflow.nn
+    ._get_logits`; not eager tensors). Keras 3.15.1.
+    """
+    import tensorflow as tf
+
+    if tf_logits(x) is not None or not tf.is_symbolic_tensor(x):
+        return None, None
+    if x.op.type not in ("Softmax", "Sigmoid") or len(x.op.inputs) != 1:
+        return None, None
+    return x.op.type, x.op.inputs[0]
+
+
 def tf_set_logits(x, logits):
     """Attaches `logits` to `x` as Keras's softmax and sigmoid do; like them,
     does nothing on a tensor that takes no attributes. Keras 3.15.1."""

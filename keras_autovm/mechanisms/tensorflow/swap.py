@@ -121,13 +121,15 @@ class ExplicitSwap:
             return list(grads)
 
         # Logits a loss reads instead (`logits.py`) are marked with them.
-        with_logits = [i for i, x in enumerate(flat) if tf_internals.tf_logits(x) is not None]
-        inputs = flat + [tf_internals.tf_logits(flat[i]) for i in with_logits]
+        found = [logits.of(x) for x in flat]
+        with_logits = [i for i, (found_logits, _) in enumerate(found)
+                       if found_logits is not None]
+        inputs = flat + [found[i][0] for i in with_logits]
         with tf_internals.tf_stop_recording():
             marked = [tf.identity(x) for x in inputs]
         tf_internals.tf_record_operation("AutoVMMark", marked, inputs, capture)
         for i, marked_logits in zip(with_logits, marked[len(flat):]):
-            tf_internals.tf_set_logits(marked[i], marked_logits)
+            marked[i] = logits.attach(marked[i], marked_logits, found[i][1])
         self.stats["marks"] += len(marks)
         return marked[:len(flat)]
 
