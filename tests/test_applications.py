@@ -91,15 +91,24 @@ def _fit(model, callbacks=()):
 
 
 @pytest.mark.parametrize("name", ["MobileNet", "MobileNetV3Small"])
-def test_small_application_trains_like_keras_own(name, request):
+def test_small_application_trains_like_keras_own(name):
     # Both end in a softmax whose logits Keras's TensorFlow loss reads:
     # AutoVM keeps them (mechanisms/tensorflow/logits.py). These two steps
     # are chaotic: a change of 1e-9 in MobileNet's initial weights moves
     # plain Keras's to weights 1.4e-2 away, so any lost bit shows.
+    rtol, atol = 2e-5, 2e-6
     if BACKEND == "tensorflow" and name == "MobileNetV3Small":
-        # Known issue (docs/limitations.md): the recomputed forward rounds
-        # differently (moving statistics differ after one step).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known issue"))
+        # Known issue (docs/limitations.md): on TensorFlow a recompute
+        # segment rounds differently, and these steps amplify it: 2.2e-5
+        # here (seed 3, CPU), where a 1e-9 nudge of the initial weights
+        # moves plain Keras 8.9e-5. The tolerance, 1e-4, is 4.5 times
+        # AutoVM's difference and below what a wrong gradient makes here:
+        # the 3rd or the 15th segment's gradient zeroed, 1.5e-2 or more;
+        # off by 10%, 3.3e-3 or more; off by 1%, 2.1e-4 or more; every
+        # segment's off by 1%, 1.9e-2. Losing the logits (5.3e-5 on this
+        # model, which does not saturate) passes: tests/test_recompute.py's
+        # saturating models catch that.
+        rtol, atol = 0, 1e-4
     policy = "sqrt_recompute"
     keras.utils.set_random_seed(3)
     theirs = _fit(getattr(keras.applications, name)(
@@ -112,7 +121,7 @@ def test_small_application_trains_like_keras_own(name, request):
     counts = callback.report.plan.counts()
     assert counts["recompute" if policy == "sqrt_recompute" else "swap"] > 0
     for wa, wb in zip(theirs.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(wa, wb, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", ["MobileNetV3Small", "ConvNeXtTiny"])
