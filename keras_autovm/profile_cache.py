@@ -45,9 +45,11 @@ def call_key(layer, node):
 
 def _settings(layer, depth=0):
     """A layer's plain settings, its `trainable` flag (a frozen layer has no
-    weight gradients to time), and the settings of layers it holds."""
+    weight gradients to time; a raw `keras.ops` call between layers, such as
+    MobileNetV3's `x + 3.0`, has no flag and no weights), and the settings of
+    layers it holds."""
     plain = (bool, int, float, str, type(None))
-    found = {"trainable": bool(layer.trainable)}
+    found = {"trainable": bool(getattr(layer, "trainable", False))}
     for key, value in vars(layer).items():
         if key.startswith("_") or key in _STATE:
             continue

@@ -285,6 +285,21 @@ def test_fingerprint_tells_frozen_held_and_lambda_layers_apart():
             == profiling.fingerprint(with_layer(keras.layers.Dense(4))))
 
 
+def test_raw_ops_between_layers_are_fingerprinted_and_timed():
+    # MobileNetV3's hard sigmoid adds 3.0 with a raw op between its layers:
+    # its fingerprint failed, and AutoVM planned with roofline estimates.
+    def with_raw_op(op):
+        inputs = keras.Input((8,))
+        x = keras.layers.Dense(8, name="d1")(inputs)
+        return keras.Model(inputs, keras.layers.ReLU(name="r")(op(x, 3.0)))
+
+    add, multiply = keras.ops.add, keras.ops.multiply
+    assert profiling.fingerprint(with_raw_op(add)) == profiling.fingerprint(with_raw_op(add))
+    assert profiling.fingerprint(with_raw_op(add)) != profiling.fingerprint(with_raw_op(multiply))
+    profile = profiling.measure(with_raw_op(add), 4, mechanisms.get(), repeats=1)
+    assert len(profile.layers) == 3 and all(t.fwd_s > 0 for t in profile.layers)
+
+
 def test_a_profile_timed_at_a_smaller_batch_is_measured_again_with_room(cache):
     from keras_autovm.model_graph import build_graph
     model = small_cnn()
