@@ -110,6 +110,11 @@ def test_what_autovm_keeps_it_says_in_one_line(name):
     assert plan.actions[tag] == "keep"
     notes = [n for n in plan.notes if n.startswith(f"{tag}")]
     assert notes and all("\n" not in n for n in notes)
+    # Each note a sentence: it names what it is about and ends with a stop.
+    assert all(n.split(" ")[0].rstrip(":") in plan.actions or n.startswith("auto ")
+               or n.split(" ")[0] in [op.name for op in plan.graph.ops]
+               for n in plan.notes), plan.notes
+    assert all(n.endswith(".") for n in plan.notes), plan.notes
     assert any(words in n for n in notes), plan.notes
 
 
