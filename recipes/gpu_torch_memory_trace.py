@@ -33,6 +33,9 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=0.0,
                         help="cap torch's allocator at this many GiB and plan within "
                         "it (AutoVM's budget); 0: no cap, no budget")
+    parser.add_argument("--budget-gib", type=float, default=0.0,
+                        help="AutoVM's budget without a cap (what gpu_swap.py's predict "
+                        "part does); ignored with --cap-gib")
     parser.add_argument("--trace-step", type=int, default=1,
                         help="which training step to trace (0: the first)")
     args = parser.parse_args()
@@ -95,6 +98,8 @@ def main():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
         budget = int(args.cap_gib * 2**30)
+    elif args.budget_gib:
+        budget = int(args.budget_gib * 2**30)
     callback = keras_autovm.AutoVM(budget=budget, policy=args.policy, verbose=0)
     error = None
     try:
@@ -111,7 +116,7 @@ def main():
            "predicted_peak": plan.result.peak_bytes, "counts": plan.counts(),
            "persistent_bytes": plan.graph.persistent_bytes, "trace": trace,
            "snapshots": snapshots,
-           "cap_gib": args.cap_gib, "error": error,
+           "cap_gib": args.cap_gib, "budget_bytes": budget, "error": error,
            "stats": callback.report.stats if callback.report else None}
     if args.out:
         with open(args.out, "w") as f:
