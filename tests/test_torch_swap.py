@@ -139,18 +139,17 @@ def test_profile_leaves_the_global_generator_alone():
 
 
 class _Event:
-    """Stands in for a CUDA event (no GPU here): done when told."""
-
-    def __init__(self):
-        self.done = False
+    """Stands in for a CUDA event (no GPU here): never done."""
 
     def query(self):
-        return self.done
+        return False
 
 
-def test_swapped_storage_is_held_until_its_copy_is_done():
-    # Freed at once, the allocator would count the block as free while the
-    # copy to host still reads it: the measured peak would hide it.
+def test_swapped_storage_goes_back_to_the_allocator_before_its_copy_ends():
+    # Held until a poll saw its copy done, a storage was freed in the CPU's
+    # time, layers behind the GPU: about 0.8 GiB over the plan on VGG-19.
+    # With CUDA, `record_stream` (in `_copy_out`) keeps the block from
+    # being reused before the copy ends.
     import torch
 
     from keras_autovm.mechanisms.torch import swap
@@ -162,18 +161,12 @@ def test_swapped_storage_is_held_until_its_copy_is_done():
     tensor = torch.ones(1 << 20)
     storage = tensor.untyped_storage()
     key = storage.data_ptr()
-    event = _Event()
     step.storages[key] = storage
     step.copies[key] = swap.Copy(torch.empty(storage.nbytes(), dtype=torch.uint8),
-                                 storage.nbytes(), tensor.device, event)
+                                 storage.nbytes(), tensor.device, _Event())
     step._free(key)
-    assert storage.nbytes() == 4 << 20
-    step.reap()
-    assert storage.nbytes() == 4 << 20
-    event.done = True
-    step.reap()
     assert storage.nbytes() == 0
-    assert not step.held
+    assert step.stats["bytes_freed_early"] == 4 << 20
 
 
 class _RunsOutOnce(keras.layers.Layer):
