@@ -81,3 +81,11 @@ def test_links_resolve():
             assert target.is_file(), f"{path.name}: {link}"
             if anchor:
                 assert anchor in _anchors(target), f"{path.name}: {link}"
+
+
+def test_no_merge_conflict_left_in_the_docs():
+    # docs/api.md once carried both sides of a merge (plan signature).
+    marker = re.compile(r"^(<{7}|={7}|>{7})( |$)", re.M)
+    files = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    left = [str(p.relative_to(ROOT)) for p in files if marker.search(p.read_text())]
+    assert not left
