@@ -42,12 +42,24 @@ _FORMAT = 1
 
 @dataclasses.dataclass(frozen=True)
 class LayerTime:
-    """One layer call, measured at the profile's batch size (seconds)."""
+    """One layer call, measured at the profile's batch size (seconds).
+
+    `fwd_fixed_s` and `bwd_fixed_s` are the parts that do not grow with the
+    batch (launch and Python overhead), from a second timing at a smaller
+    batch (`Profile.with_fixed_times`); 0 when only one batch was timed.
+    """
 
     name: str
     fwd_s: float
     bwd_s: float
     output_bytes: int
+    fwd_fixed_s: float = 0.0
+    bwd_fixed_s: float = 0.0
+
+    def at(self, scale):
+        """`(fwd, bwd)` seconds at `scale` times the profile's batch."""
+        return (self.fwd_fixed_s + (self.fwd_s - self.fwd_fixed_s) * scale,
+                self.bwd_fixed_s + (self.bwd_s - self.bwd_fixed_s) * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +95,8 @@ class Profile:
     @classmethod
     def from_dict(cls, data):
         layers = tuple(LayerTime(t["name"], float(t["fwd_s"]), float(t["bwd_s"]),
-                                 int(t["output_bytes"])) for t in data["layers"])
+                                 int(t["output_bytes"]), float(t.get("fwd_fixed_s", 0.0)),
+                                 float(t.get("bwd_fixed_s", 0.0))) for t in data["layers"])
         return cls(data["device"], data["backend"], int(data["batch_size"]),
                    data.get("fingerprint", ""), layers, dict(data.get("link", {})),
                    float(data.get("profile_s", 0.0)))
@@ -105,16 +118,34 @@ class Profile:
     def apply(self, graph):
         """`graph` (a `planner.Graph`) with the measured times on its ops.
 
-        Times are scaled linearly to the graph's batch size when it differs
-        from the profile's (a last partial batch); ops not measured keep
-        their roofline estimate.
+        Times are scaled to the graph's batch size when it differs from the
+        profile's (a last partial batch, or layers timed at a smaller batch
+        under a tight budget): the part that grows with the batch linearly,
+        the fixed part not (`LayerTime.at`). Ops not measured keep their
+        roofline estimate.
         """
         scale = graph.batch_size / self.batch_size if graph.batch_size else 1.0
-        times = {t.name: t for t in self.layers}
-        ops = tuple(dataclasses.replace(op, fwd_time=times[op.name].fwd_s * scale,
-                                        bwd_time=times[op.name].bwd_s * scale)
+        times = {t.name: t.at(scale) for t in self.layers}
+        ops = tuple(dataclasses.replace(op, fwd_time=times[op.name][0],
+                                        bwd_time=times[op.name][1])
                     if op.name in times else op for op in graph.ops)
         return dataclasses.replace(graph, ops=ops)
+
+    def with_fixed_times(self, smaller):
+        """This profile with each layer's fixed time fitted from `smaller`,
+        the same model timed at a smaller batch: a line through the two
+        times, its slope and its intercept kept at zero or above."""
+        ratio = smaller.batch_size / self.batch_size
+        if not 0 < ratio < 1 or len(smaller.layers) != len(self.layers):
+            raise ValueError("`smaller` must time the same layers at a smaller batch. "
+                             f"Received: smaller.batch_size={smaller.batch_size} for "
+                             f"batch_size={self.batch_size}")
+        layers = tuple(dataclasses.replace(
+            big, fwd_fixed_s=_intercept(big.fwd_s, small.fwd_s, ratio),
+            bwd_fixed_s=_intercept(big.bwd_s, small.bwd_s, ratio))
+            for big, small in zip(self.layers, smaller.layers))
+        return dataclasses.replace(self, layers=layers,
+                                   profile_s=self.profile_s + smaller.profile_s)
 
     def cost(self, cost, link):
         """`cost` (a `planner.CostModel`) with the measured bandwidths of
@@ -124,6 +155,13 @@ class Profile:
             return cost
         return dataclasses.replace(cost, d2h_bytes_per_s=d2h * 1e9,
                                    h2d_bytes_per_s=h2d * 1e9, link_measured=True)
+
+
+def _intercept(big, small, ratio):
+    """The time at batch 0 of the line through `(1, big)` and `(ratio, small)`,
+    within `[0, big]`: timing noise must not make a layer's time fall, or
+    go negative, as the batch grows."""
+    return min(max((small - ratio * big) / (1 - ratio), 0.0), big)
 
 
 def timing_batch(model, batch_size, limit_bytes):
@@ -169,6 +207,12 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
             return dataclasses.replace(cached, layers=layers), False
     timed = timing_batch(model, batch_size, limit_bytes)
     profile = measure(model, timed, mechanism, verbose=verbose)
+    if 1 < timed < batch_size:
+        # Scaled up to the fit's batch, a layer's fixed cost (Python and
+        # launch overhead) would grow with it: ResNet-152 timed at a small
+        # batch and planned at 193 was predicted at 5.3x its measured step.
+        smaller = measure(model, timed // 2, mechanism, verbose=verbose)
+        profile = profile.with_fixed_times(smaller)
     profile.save(path)
     return profile, True
 

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import keras
@@ -216,9 +217,44 @@ def test_a_budget_below_the_in_core_need_times_at_a_smaller_batch(cache):
         pass  # Too tight to plan is fine here: what was timed is the point.
     assert callback.measured is not None and callback.measured.batch_size == 3
     graph = profiling.Profile.apply(callback.measured, build_graph(model, 8))
-    times = {t.name: t.fwd_s for t in callback.measured.layers}
+    times = {t.name: t for t in callback.measured.layers}
+    # Timed at 1 too, for the part of each time that does not grow.
+    assert any(t.fwd_fixed_s > 0 or t.bwd_fixed_s > 0 for t in times.values())
     op = next(op for op in graph.ops if op.name in times)
-    assert op.fwd_time == pytest.approx(times[op.name] * 8 / 3)
+    fixed = times[op.name].fwd_fixed_s
+    assert op.fwd_time == pytest.approx(fixed + (times[op.name].fwd_s - fixed) * 8 / 3)
+
+
+def _profile(batch_size, *fwd_bwd):
+    layers = tuple(profiling.LayerTime(f"l{i}", f, b, 1) for i, (f, b) in enumerate(fwd_bwd))
+    return profiling.Profile("cpu", "test", batch_size, "", layers)
+
+
+def test_times_from_a_smaller_batch_grow_by_their_batch_dependent_part():
+    from keras_autovm.model_graph import build_graph
+    # At batch 4: 10 ms; at 2: 6 ms. A line through both: 2 ms fixed and
+    # 2 ms per sample, so 34 ms at 16 (scaled linearly it would be 40).
+    big = _profile(4, (0.010, 0.020), (0.010, 0.004), (0.010, 0.020))
+    small = _profile(2, (0.006, 0.012), (0.012, 0.001), (0.004, 0.004))
+    fitted = big.with_fixed_times(small)
+    first, flat, steep = fitted.layers
+    assert first.at(4.0) == pytest.approx((0.034, 0.068))
+    # Noise that makes a smaller batch slower: a fixed time, no slope.
+    assert (flat.fwd_fixed_s, flat.at(4.0)[0]) == pytest.approx((0.010, 0.010))
+    # Faster than linear below: no negative fixed time.
+    assert steep.fwd_fixed_s == 0 and steep.at(4.0)[0] == pytest.approx(0.040)
+    assert fitted.layers[1].at(4.0)[1] == pytest.approx(0.0 + 0.004 * 4)
+    model = small_cnn()
+    graph = build_graph(model, 16)
+    names = [op.name for op in graph.ops][:3]
+    fitted = dataclasses.replace(fitted, layers=tuple(
+        dataclasses.replace(t, name=n) for t, n in zip(fitted.layers, names)))
+    ops = {op.name: op for op in fitted.apply(graph).ops}
+    assert ops[names[0]].fwd_time == pytest.approx(0.034)
+    again = profiling.Profile.from_dict(fitted.to_dict())
+    assert again.layers == fitted.layers
+    with pytest.raises(ValueError, match="smaller.batch_size=4"):
+        big.with_fixed_times(big)
 
 
 def test_identical_layer_calls_are_timed_once():

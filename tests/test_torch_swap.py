@@ -317,3 +317,12 @@ def test_out_of_memory_in_the_optimizer_is_not_rerun():
         except Exception as error:  # noqa: BLE001
             assert mechanism.out_of_memory(error) is expected
     assert not mechanism.out_of_memory(ValueError("out of memory"))
+
+
+def test_expandable_segments_unless_the_user_chose():
+    from keras_autovm.mechanisms.torch.mechanism import expandable_segments
+    assert expandable_segments({})
+    assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert not expandable_segments(
+        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})

@@ -6,6 +6,7 @@ reader has run."""
 
 import functools
 import gc
+import os
 import traceback
 import weakref
 
@@ -106,6 +107,8 @@ class TorchMechanism(Mechanism):
 
     def install(self, model, runtime, patches):
         """Runs each training forward pass under the step's saved-tensor hooks."""
+        if self.gpu_available() and expandable_segments(os.environ):
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         call = model.call
 
         @functools.wraps(call)
@@ -148,3 +151,13 @@ class TorchMechanism(Mechanism):
             self._stream = torch.cuda.Stream()
         return swap.Step(layout, self._pool, self._stream, self.stats, model.variables,
                          keras.tree.flatten(inputs))
+
+
+def expandable_segments(environ):
+    """Whether AutoVM turns on the caching allocator's expandable segments:
+    unless the user chose (`PYTORCH_CUDA_ALLOC_CONF` names them). Plans
+    that free and swap layer outputs leave the fixed-size segments
+    fragmented: on an H100 under an 8 GiB cap, ResNet-152's plan at batch
+    193 ran out with 2.22 GiB reserved but unallocated, and VGG-19's at 1x
+    with 2.07 GiB; with expandable segments neither was fragmented."""
+    return "expandable_segments" not in environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
