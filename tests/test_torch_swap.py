@@ -138,13 +138,6 @@ def test_profile_leaves_the_global_generator_alone():
     assert torch.equal(torch.rand(4), expected)
 
 
-class _Event:
-    """Stands in for a CUDA event (no GPU here): never done."""
-
-    def query(self):
-        return False
-
-
 def test_swapped_storage_goes_back_to_the_allocator_before_its_copy_ends():
     # Held until a poll saw its copy done, a storage was freed in the CPU's
     # time, layers behind the GPU: about 0.8 GiB over the plan on VGG-19.
@@ -163,7 +156,7 @@ def test_swapped_storage_goes_back_to_the_allocator_before_its_copy_ends():
     key = storage.data_ptr()
     step.storages[key] = storage
     step.copies[key] = swap.Copy(torch.empty(storage.nbytes(), dtype=torch.uint8),
-                                 storage.nbytes(), tensor.device, _Event())
+                                 storage.nbytes(), tensor.device)
     step._free(key)
     assert storage.nbytes() == 0
     assert step.stats["bytes_freed_early"] == 4 << 20

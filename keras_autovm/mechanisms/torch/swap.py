@@ -78,10 +78,11 @@ class HostPool:
 class Copy:
     """One swapped storage: its host copy and, in backward, the copy back."""
 
-    __slots__ = ("host", "nbytes", "device", "d2h", "gpu", "h2d", "__weakref__")
+    # The copy back is ordered after the copy out by the copy stream itself.
+    __slots__ = ("host", "nbytes", "device", "gpu", "h2d", "__weakref__")
 
-    def __init__(self, host, nbytes, device, d2h):
-        self.host, self.nbytes, self.device, self.d2h = host, nbytes, device, d2h
+    def __init__(self, host, nbytes, device):
+        self.host, self.nbytes, self.device = host, nbytes, device
         self.gpu = self.h2d = None
 
 
@@ -250,7 +251,7 @@ class Step:
             self.in_flight.append((event, storage.nbytes()))
         else:
             host.copy_(flat)
-        self.copies[key] = Copy(host, storage.nbytes(), device, event)
+        self.copies[key] = Copy(host, storage.nbytes(), device)
         self.stats["bytes_to_host"] += storage.nbytes()
 
     def _release(self, tag):
