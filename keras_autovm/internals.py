@@ -179,6 +179,19 @@ def uncompiled(model):
         model.compiled = compiled
 
 
+def has_keras_mask(args):
+    """Whether any tensor in `args` carries a Keras mask.
+
+    Keras 3 keeps a layer output's mask on the tensor itself
+    (`backend.get_keras_mask`), and `Layer.__call__` reads it from the
+    inputs and sets it on the outputs; no public API reads it. Keras 3.15.1.
+    """
+    from keras.src.backend.common import masking
+
+    return any(masking.get_keras_mask(x) is not None
+               for x in keras.tree.flatten(args) if hasattr(x, "shape"))
+
+
 # ------------------------------------------------------------- fit internals
 
 # The JAX trainer's stateless loss function: the smallest function holding
@@ -274,3 +287,17 @@ def jax_concrete(x):
     while isinstance(x, jax.core.Tracer):
         x = getattr(x, "primal", None)
     return x if isinstance(x, jax.Array) else None
+
+
+# ------------------------------------------------------------------- torch
+
+
+def torch_expandable_segments():
+    """Turns on the CUDA caching allocator's expandable segments for the
+    rest of the process. The public way is `PYTORCH_CUDA_ALLOC_CONF`, read
+    once when CUDA starts, before AutoVM runs; `_set_allocator_settings`
+    changes it at run time (PyTorch's own test runner does). torch 2.11.
+    """
+    import torch
+
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -4,6 +4,8 @@ import inspect
 
 import keras
 
+from keras_autovm import internals
+
 
 @keras.saving.register_keras_serializable(package="keras_autovm")
 class AutoVMWrapper(keras.layers.Wrapper):
@@ -51,6 +53,20 @@ class AutoVMWrapper(keras.layers.Wrapper):
         # of the wrapped layer when AutoVM wrapped it, of the wrapper when
         # the user did. Strings only, so Keras tracks nothing new.
         self._autovm_op = None
+
+    def __call__(self, *args, **kwargs):
+        runtime = self._autovm_runtime
+        if (runtime is not None and kwargs.get("training")
+                and runtime.mechanism.calls_layers_each_step
+                and not internals.has_keras_mask(args)):
+            # The wrapped layer's `Layer.__call__` runs inside `call`; run
+            # for the wrapper too, it doubled the Python of each step, which
+            # an eager backend pays every step (ResNet-152 on torch, an H100:
+            # 0.61x in-core with nothing to save). Without a mask there is
+            # nothing the outer call adds: the inner casts, and sets what
+            # its outputs carry.
+            return self.call(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def call(self, inputs, *args, training=None, mask=None, **kwargs):
         if self._inner_takes_training and training is not None:

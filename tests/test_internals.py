@@ -308,3 +308,17 @@ def test_output_specs_sizes_every_call_and_adds_no_node():
     specs = internals.output_specs(model, [keras.KerasTensor((2, 5, 3))])
     assert tuple(specs[id(y)].shape) == (2, 5, 4)
     assert len(dense._inbound_nodes) == calls
+
+
+def test_has_keras_mask_sees_what_a_masking_layer_sets():
+    from keras_autovm import internals
+    masked = keras.layers.Embedding(5, 2, mask_zero=True)(np.array([[1, 0]]))
+    assert internals.has_keras_mask(([masked], {}))
+    assert not internals.has_keras_mask((keras.ops.ones((1, 2)), 3))
+
+
+def test_torch_allocator_settings_are_reachable():
+    if keras.backend.backend() != "torch":
+        pytest.skip("torch's allocator")
+    import torch
+    assert callable(torch.cuda.memory._set_allocator_settings)

@@ -115,6 +115,11 @@ class Mechanism:
     #: memory can be run again (`out_of_memory` says when).
     reruns_steps = False
 
+    #: Whether each training step runs the layers' Python (torch), not a
+    #: program traced once (TensorFlow, JAX): the wrapper then skips the
+    #: Python it can (`AutoVMWrapper.__call__`).
+    calls_layers_each_step = False
+
     def out_of_memory(self, error):
         """Whether `error` is the device running out of memory at a point a
         training step can be run again from: no weight or optimizer state

@@ -13,6 +13,7 @@ import weakref
 import keras
 import torch
 
+from keras_autovm import internals
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.torch import profile
 from keras_autovm.mechanisms.torch import swap
@@ -28,6 +29,7 @@ class TorchMechanism(Mechanism):
     backend = "torch"
     in_flight_seconds = IN_FLIGHT_SECONDS
     reruns_steps = True  # Eager: a step that ran out of memory can run again.
+    calls_layers_each_step = True
 
     def __init__(self):
         super().__init__()
@@ -108,7 +110,7 @@ class TorchMechanism(Mechanism):
     def install(self, model, runtime, patches):
         """Runs each training forward pass under the step's saved-tensor hooks."""
         if self.gpu_available() and expandable_segments(os.environ):
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            internals.torch_expandable_segments()
         call = model.call
 
         @functools.wraps(call)
