@@ -8,6 +8,7 @@ import functools
 import gc
 import os
 import traceback
+import warnings
 import weakref
 
 import keras
@@ -110,7 +111,11 @@ class TorchMechanism(Mechanism):
     def install(self, model, runtime, patches):
         """Runs each training forward pass under the step's saved-tensor hooks."""
         if self.gpu_available() and expandable_segments(os.environ):
-            internals.torch_expandable_segments()
+            try:
+                internals.torch_expandable_segments()
+            except RuntimeError as error:  # An allocator without them.
+                warnings.warn(f"AutoVM could not turn on torch's expandable segments, "
+                              f"so the allocator may fragment: {error}", stacklevel=2)
         call = model.call
 
         @functools.wraps(call)
