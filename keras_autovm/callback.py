@@ -191,7 +191,7 @@ class AutoVM(keras.callbacks.Callback):
             profile=self.measured)
         self._runtime = Runtime(self._mechanism, plans,
                                 patches_lib.inner_layers(self._target),
-                                batch_size=batch_size)
+                                batch_size=batch_size, warn=self._console.warn)
         if self._runtime.batch_size:
             # Plan now when `fit` says the batch size: a budget no plan meets
             # fails here, before anything is changed.
@@ -284,8 +284,7 @@ class AutoVM(keras.callbacks.Callback):
             new = plans.plan(plan.graph.batch_size)
         except planner.PlanError as error:
             plans.cost, plans.memory_scale = old
-            warnings.warn(f"AutoVM kept its plan: replanning failed: {error}",
-                          stacklevel=2)
+            self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
             return False
         self._runtime.replace(new)
         if new.actions != plan.actions:

@@ -14,8 +14,6 @@ that would do), the error is the user's. Later steps under a plan that
 has run are not guarded: they allocate as its first step did.
 """
 
-import warnings
-
 import keras
 
 from keras_autovm.planner import format_bytes
@@ -64,15 +62,14 @@ def _relax(runtime, applied, reason):
     runtime.replace(new)
     runtime.stats["out_of_memory_replans"] = runtime.stats.get(
         "out_of_memory_replans", 0) + 1
-    warnings.warn(
+    runtime.warn(
         f"AutoVM: the first step under its plan for batch size {batch} ran out "
         f"of GPU memory ({reason}); the plan predicted "
-        f"{format_bytes(plan.result.peak_bytes)} for a device limit of "
-        f"{format_bytes(device)}, so the memory model under-counts this model "
+        f"{format_bytes(plan.result.peak_bytes)} and the device has "
+        f"{format_bytes(device)} for training, so the memory model under-counts this model "
         f"here. Replanned with a measured memory overhead of "
         f"{plans.memory_scale:.2f}x (predicted peak now "
-        f"{format_bytes(new.result.peak_bytes)}) and ran the step again.",
-        stacklevel=2)
+        f"{format_bytes(new.result.peak_bytes)}) and ran the step again.")
     return runtime.plan_for(batch, plans.shapes_at(batch))
 
 

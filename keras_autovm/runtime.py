@@ -10,6 +10,7 @@ outputs it computed); everything else is the mechanism's
 """
 
 import contextlib
+import warnings
 
 import keras
 
@@ -25,12 +26,16 @@ class Runtime:
         layers: maps op name to the (unwrapped) layer object.
         batch_size: the batch size to use when a traced batch has no static
             size (TensorFlow's input pipelines). Defaults to `None`.
+        warn: called with the text of each warning issued while training
+            (the callback's `Console.warn`, which keeps them off Keras's
+            progress bar). Defaults to `warnings.warn`.
     """
 
-    def __init__(self, mechanism, plans, layers, batch_size=None):
+    def __init__(self, mechanism, plans, layers, batch_size=None, warn=None):
         self.mechanism = mechanism
         self.plans = plans
         self.batch_size = batch_size
+        self.warn = warn or warnings.warn
         self.current = None  # The `AppliedPlan` of the largest batch size.
         self._layers = layers
         self._applied = {}  # (batch size, input shapes or None) -> AppliedPlan
@@ -38,6 +43,8 @@ class Runtime:
         self._stash = {}
         # Applied plans a training step has completed under (see `oom`).
         self.proven = set()
+        # Whether a step was left as Keras runs it (see `plan_for_inputs`).
+        self.declined = False
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0}
 
@@ -68,7 +75,11 @@ class Runtime:
 
     def plan_for_inputs(self, inputs):
         """The `AppliedPlan` for a batch of model inputs, used by the layer
-        calls of the step being traced; fails if its size is unknown."""
+        calls of the step being traced; fails if its size is unknown.
+        `None` (the step runs as Keras runs it, keeping every activation)
+        where the model's inputs have unknown dimensions besides the batch
+        and the step was traced without them: there is nothing to size a
+        plan with. That is said once."""
         batch_size = _batch_size(inputs) or self.batch_size
         if batch_size is None:
             raise ValueError(
@@ -79,14 +90,22 @@ class Runtime:
         if self.plans.needs_input_shapes:
             shapes = tuple(tuple(x.shape)[1:] for x in keras.tree.flatten(inputs))
             if any(d is None for shape in shapes for d in shape):
-                raise ValueError(
-                    "AutoVM plans a model whose inputs have unknown dimensions "
-                    "from the shapes of the batches `fit` gives, but this step "
-                    f"was traced with input shapes {shapes} (None: unknown). "
-                    "Give batches of one shape (pad to a fixed length), or "
-                    "leave AutoVM out of this fit.")
+                self._decline(shapes)
+                return None
         self._active = self.plan_for(batch_size, shapes)
         return self._active
+
+    def _decline(self, shapes):
+        self._active = _DECLINED
+        if not self.declined:
+            self.declined = True
+            self.warn(
+                "AutoVM leaves this training step as Keras runs it, keeping "
+                "every activation, and training goes on: the model's inputs "
+                "have unknown dimensions besides the batch, which AutoVM "
+                "sizes from the batches, but the step was traced with input "
+                f"shapes {shapes} (None: unknown). Give batches of one shape "
+                "(pad to a fixed length) to let AutoVM plan it.")
 
     def _add(self, key, plan):
         self._applied[key] = AppliedPlan(plan, runnable=self._layers)
@@ -113,6 +132,8 @@ class Runtime:
         the call's."""
         batch_size = _batch_size(inputs)
         active = self._active
+        if active is _DECLINED:
+            return None
         if active is not None and batch_size in (None, active.plan.graph.batch_size):
             return active
         return self.plan_for(batch_size)
@@ -131,6 +152,10 @@ class Runtime:
         for name, output in zip(names[1:], outputs[1:]):
             self._stash[name] = output
         return outputs[0]
+
+
+# The step being traced runs without a plan (`Runtime.plan_for_inputs`).
+_DECLINED = object()
 
 
 class AppliedPlan:

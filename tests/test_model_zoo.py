@@ -179,3 +179,41 @@ def test_layers_of_a_model_with_unknown_dimensions_are_not_timed():
     assert sum("unknown dimensions" in str(w.message) for w in caught) == 1
     assert callback.measured is None
     assert callback.report.plan.cost_source().startswith("compute roofline")
+
+
+def padded_batches():
+    """Token ids padded to each batch's own length (6, then 9), as text
+    pipelines batch them: TensorFlow traces one step with the length unknown."""
+    import tensorflow as tf
+
+    def samples():
+        rng = np.random.default_rng(0)
+        for n in (6, 6, 6, 6, 9, 9, 9, 9):
+            yield (rng.integers(0, 50, n).astype("int32"),
+                   rng.normal(size=(n, 16)).astype("float32"))
+
+    spec = (tf.TensorSpec((None,), tf.int32), tf.TensorSpec((None, 16), tf.float32))
+    return tf.data.Dataset.from_generator(samples, output_signature=spec).padded_batch(4)
+
+
+def test_batches_of_their_own_length_train_like_keras_own():
+    def fit_padded(callbacks):
+        keras.utils.set_random_seed(7)
+        model, *_ = ZOO["backbone"]()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(padded_batches(), epochs=1, callbacks=callbacks, verbose=0)
+        return model, [str(w.message) for w in caught if "leaves this" in str(w.message)]
+
+    reference, _ = fit_padded([])
+    callback = autovm("sqrt_recompute")
+    model, lines = fit_padded([callback])
+    if BACKEND == "tensorflow":  # One traced step, its length unknown.
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert "keeping every activation" in lines[0] and "(None,)" in lines[0]
+        assert callback.report is None
+    else:  # Each batch arrives with its length: one plan per length.
+        assert not lines
+        assert callback.report.plan.counts()["recompute"] > 0
+    assert_same_weights(reference, model, "backbone")

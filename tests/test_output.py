@@ -10,11 +10,17 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
+
+import pytest
 
 from conftest import BACKEND
 
 _SCRIPT = textwrap.dedent("""
+    import warnings
     import numpy as np, keras, keras_autovm
+    # One line a warning, to read them among the bar's lines.
+    warnings.formatwarning = lambda m, c, *_, **__: f"{c.__name__}: {m}\\n"
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8, 8, 3)),
         keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
@@ -22,13 +28,31 @@ _SCRIPT = textwrap.dedent("""
         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.random.rand(36, 8, 8, 3), np.random.rand(36, 4)
-    for verbose in (1, 2):
+
+    class Warns(keras.callbacks.Callback):
+        # AutoVM warns mid-step (a replan after running out of memory) and
+        # at an epoch's end (a replan that failed); neither happens on a
+        # CPU, so this says the same through AutoVM's console. Each text is
+        # new: Python shows a repeated warning once.
+        def __init__(self, autovm):
+            super().__init__()
+            self.autovm = autovm
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                self.autovm._console.warn(f"AutoVM mid-epoch warning {self.epoch}, {verbose}")
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch + 1
+        def on_epoch_end(self, epoch, logs=None):
+            self.autovm._console.warn(f"AutoVM epoch-end warning {self.epoch}, {verbose}")
+
+    for verbose in ("auto", 1, 2):
         print(f"== fit verbose={verbose}", flush=True)
         callback = keras_autovm.AutoVM(budget="64MiB", apply_without_gpu=True)
         # 36 samples in batches of 8: a last batch of 4 gets its own plan,
-        # mid-epoch, where the backend traces it with its size.
-        model.fit(x, y, batch_size=8, epochs=2, callbacks=[callback],
-                  verbose=verbose)
+        # mid-epoch, where the backend traces it with its size. "auto" is
+        # fit's default.
+        model.fit(x, y, batch_size=8, epochs=2, callbacks=[callback, Warns(callback)],
+                  **({} if verbose == "auto" else {"verbose": verbose}))
 """)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -36,8 +60,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def _run_in_terminal(script):
     leader, follower = pty.openpty()
     env = dict(os.environ, PYTHONPATH=os.getcwd(), TF_CPP_MIN_LOG_LEVEL="3")
+    # Warnings go to stderr, the same terminal as the bar's stdout.
     child = subprocess.Popen([sys.executable, "-c", script], stdin=follower,
-                             stdout=follower, stderr=subprocess.DEVNULL, env=env)
+                             stdout=follower, stderr=follower, env=env)
     os.close(follower)
     chunks = []
     while True:
@@ -60,25 +85,33 @@ def _lines(text):
 
 
 def test_autovm_lines_stay_off_the_progress_bar():
-    verbose1, verbose2 = _run_in_terminal(_SCRIPT).split("== fit verbose=2")
-    for part in (verbose1, verbose2):
-        lines = _lines(part)
+    text = _run_in_terminal(_SCRIPT)
+    fits = {}
+    for part in text.split("== fit verbose=")[1:]:
+        verbose, _, rest = part.partition("\n")
+        fits[verbose.strip()] = _lines(rest)
+    assert sorted(fits) == ["1", "2", "auto"], text
+    for verbose, lines in fits.items():
         for line in lines:
             if "AutoVM" in line:
                 # A line of its own: nothing of the bar before it.
-                assert line.startswith("AutoVM"), repr(line)
+                assert line.startswith(("AutoVM", "UserWarning: AutoVM")), repr(line)
         for epoch in (1, 2):
             at = next(i for i, line in enumerate(lines)
                       if line.startswith(f"AutoVM epoch {epoch}/2"))
             # After the bar has finished the epoch's line (5 of 5 steps).
             assert "5/5" in lines[at - 1] and "loss" in lines[at - 1], lines[at - 1]
-    lines = _lines(verbose1)
-    if BACKEND != "tensorflow":  # TensorFlow traces one step for all sizes.
-        assert "AutoVM plan for batch size 4:" in lines, verbose1
-    # The report follows the last epoch's line.
-    last = next(i for i, line in enumerate(lines)
-                if line.startswith("AutoVM epoch 2/2"))
-    assert lines.index("AutoVM report") > last
+            # A warning at the epoch's end waits for it too.
+            assert lines[at + 1] == f"UserWarning: AutoVM epoch-end warning {epoch}, {verbose}", \
+                lines[at - 1:at + 2]
+            assert f"UserWarning: AutoVM mid-epoch warning {epoch}, {verbose}" in lines
+        if verbose != "2":
+            if BACKEND != "tensorflow":  # TensorFlow traces one step for all sizes.
+                assert "AutoVM plan for batch size 4:" in lines, lines
+            # The report follows the last epoch's line.
+            last = next(i for i, line in enumerate(lines)
+                        if line.startswith("AutoVM epoch 2/2"))
+            assert lines.index("AutoVM report") > last
 
 
 def test_console_holds_lines_printed_at_an_epoch_end(capsys):
@@ -98,3 +131,22 @@ def test_console_holds_lines_printed_at_an_epoch_end(capsys):
     assert capsys.readouterr().out == "plan remade on recalibration\nepoch line\n"
     console.print("next")
     assert capsys.readouterr().out == "next\n"
+
+
+def test_console_warnings_keep_to_lines_of_their_own(capsys):
+    from keras_autovm.console import Console
+
+    console = Console(verbose=0)  # Warnings are issued whatever `verbose` is.
+    console.fit_begins({"verbose": "auto"})  # `fit`'s default draws a bar.
+    console.batch_ended()
+    with pytest.warns(UserWarning, match="mid-step"):
+        console.warn("mid-step")
+    assert capsys.readouterr().out == "\n"  # The bar's line ended first.
+    console.batch_ended()
+    console.epoch_ended()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.warn("at the epoch's end")
+        assert not caught  # Held until the bar has finished its line.
+        console.flush()
+    assert [str(w.message) for w in caught] == ["at the epoch's end"]
