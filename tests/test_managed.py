@@ -5,16 +5,25 @@ import keras_autovm
 from conftest import BACKEND
 from keras_autovm.mechanisms.tensorflow import managed
 
-pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
-                                reason="managed memory is TensorFlow's allocator")
+tensorflow_only = pytest.mark.skipif(BACKEND != "tensorflow",
+                                     reason="managed memory is TensorFlow's allocator")
 
 
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="the backend lacks the feature")
+def test_other_backends_say_they_lack_managed_memory():
+    with pytest.raises(NotImplementedError, match=f"backend is '{BACKEND}'"):
+        keras_autovm.enable_managed_memory(memory_fraction=0.5)
+    assert not managed.managed_memory_enabled()
+
+
+@tensorflow_only
 @pytest.mark.parametrize("value", [0, -1, True, "0.5"])
 def test_bad_memory_fraction(value):
     with pytest.raises(ValueError, match="memory_fraction"):
         keras_autovm.enable_managed_memory(memory_fraction=value)
 
 
+@tensorflow_only
 def test_too_late_once_tensorflow_is_initialised():
     import tensorflow as tf
     tf.constant(1.0) + 1.0  # Initialises TensorFlow's devices.
@@ -23,6 +32,7 @@ def test_too_late_once_tensorflow_is_initialised():
     assert not managed.managed_memory_enabled()
 
 
+@tensorflow_only
 @pytest.mark.parametrize("enabled", [False, True])
 def test_managed_memory_picks_the_swap_mode(monkeypatch, enabled):
     monkeypatch.setitem(managed._state, "enabled", enabled)
@@ -35,6 +45,7 @@ def test_managed_memory_picks_the_swap_mode(monkeypatch, enabled):
     assert mechanism.copy_link == ("managed_prefetch" if enabled else "pinned")
 
 
+@tensorflow_only
 @pytest.mark.parametrize("enabled", [False, True])
 def test_install_turns_xla_off_when_swapping_and_close_restores_it(monkeypatch, enabled):
     from keras_autovm.patches import Patches
@@ -54,6 +65,7 @@ def test_install_turns_xla_off_when_swapping_and_close_restores_it(monkeypatch, 
 
 @pytest.mark.parametrize("policy, off", [("sqrt_recompute", False), ("auto", False),
                                          ("offload_all", True), ("sqrt_offload", True)])
+@tensorflow_only
 def test_xla_stays_on_for_policies_that_cannot_swap(policy, off):
     from keras_autovm.budget import PlanBook
     from keras_autovm.patches import Patches
@@ -70,6 +82,7 @@ def test_xla_stays_on_for_policies_that_cannot_swap(policy, off):
     patches.close()
 
 
+@tensorflow_only
 def test_jit_compile_is_restored_after_training():
     import numpy as np
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),

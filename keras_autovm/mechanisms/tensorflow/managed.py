@@ -5,6 +5,8 @@ its pages can move to the host and back while its address stays the same,
 which is what AutoVM's TensorFlow swap (evict/prefetch ops) relies on.
 """
 
+import keras
+
 from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
 _state = {"enabled": False, "memory_fraction": None}
@@ -30,6 +32,9 @@ def enable_managed_memory(memory_fraction=0.9):
     Raises:
         ValueError: `memory_fraction` is not a positive number.
         RuntimeError: TensorFlow has already initialised the GPU.
+        NotImplementedError: the Keras backend is not TensorFlow (JAX and
+            torch allocate from their own pools, which AutoVM does not
+            move pages of).
 
     Example:
 
@@ -39,6 +44,13 @@ def enable_managed_memory(memory_fraction=0.9):
     # ... then build and fit the model with AutoVM.
     ```
     """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise NotImplementedError(
+            "enable_managed_memory() makes TensorFlow allocate from CUDA "
+            "managed memory, and AutoVM moves pages only on the TensorFlow "
+            f"backend; the Keras backend is {backend!r}. On it, AutoVM swaps "
+            "by copies to host: use AutoVM without this call.")
     if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
             or memory_fraction <= 0:
         raise ValueError("`memory_fraction` must be a positive number. "
