@@ -46,15 +46,17 @@ class AutoVM(keras.callbacks.Callback):
     It measures step time and peak memory each epoch, recalibrates its cost
     model and replans when the measurements move, and reports at the end.
 
-    What each Keras backend can carry out: JAX keeps, swaps (XLA host
-    offloading) and recomputes (`jax.checkpoint`); TensorFlow keeps,
-    recomputes (`tf.recompute_grad`) and swaps, by copies to host memory
-    that the backward pass reads back, or, once
+    What each Keras backend can carry out: JAX keeps, recomputes
+    (`jax.checkpoint`) and swaps, by host copies in an unjitted step;
+    TensorFlow keeps, recomputes (`tf.recompute_grad`) and swaps, by copies
+    to host memory that the backward pass reads back, or, once
     `keras_autovm.enable_managed_memory()` has been called, by moving the
-    pages of managed memory on a dedicated CUDA stream; torch keeps and
-    recomputes (`torch.utils.checkpoint`). A plan that needs an action the
-    backend lacks is not chosen by `"auto"`, and asking for it by name
-    raises `NotImplementedError`.
+    pages of managed memory on a dedicated CUDA stream; torch keeps,
+    recomputes (`torch.utils.checkpoint`) and swaps, through saved-tensor
+    hooks, a pinned host pool and a copy stream. `"auto"` chooses swaps
+    only where they were measured to lower the peak on a GPU (torch, and
+    TensorFlow's managed memory); a named swap policy runs on every
+    backend. See docs/mechanisms.md.
 
     Without a GPU there is no device memory to manage: AutoVM warns and
     leaves training unchanged, unless `apply_without_gpu=True` (for tests

@@ -23,8 +23,9 @@ def plan(model: keras.Model, batch_size: int,
 
     A dry run: nothing is trained and the model is not changed. The plan is
     made for the active Keras backend, which decides the actions available
-    (JAX and TensorFlow: keep, swap, recompute, `"auto"` choosing no swap;
-    torch: keep, recompute).
+    (every backend keeps, swaps and recomputes; `"auto"` chooses swaps on
+    torch, and on TensorFlow in managed mode, not on JAX or with
+    TensorFlow's explicit copies).
 
     Args:
         model: a built Sequential or Functional Keras model.

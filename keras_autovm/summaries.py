@@ -25,7 +25,9 @@ class EpochSummaries:
     `measured_peak_bytes` (where the backend measures it),
     `step_time_s` (measured) and `predicted_step_time_s`,
     `planned_host_bytes_per_epoch`, `measured_host_bytes` (bytes moved
-    so far, where the mechanism counts them: TensorFlow's managed mode) and
+    so far in this fit, where the mechanism counts them: JAX's and torch's
+    host copies, TensorFlow's managed mode; not TensorFlow's explicit
+    copies) and
     `replans` (so far). Text: `autovm/plan`,
     the plan table, at each epoch whose plan is new.
 

@@ -257,7 +257,7 @@ def test_shared_layer_is_kept_with_a_note():
     for name in ("shared", "shared@1"):
         assert not tensors[name].can_swap and not tensors[name].can_recompute
         assert "shared layer called 2 times" in tensors[name].note
-        assert ops[name].note == "shared layer"
+        assert ops[name].note == "shared layer called 2 times, its outputs kept"
         assert tensors[name].fwd_readers == ("add",)
     assert tensors["add"].can_recompute and tensors["add"].note == (
         "model output: kept for the loss")
@@ -308,7 +308,7 @@ def test_random_nested_and_multi_output_layers():
     assert internal.nbytes == 2 * 8 * F32  # inner_fc1's output, read by inner_fc2
     assert internal.bwd_readers == ("inner",) and not internal.can_swap
     assert ops["inner"].flops == 2 * 2 * 8 * 6 + 2 * 2 * 6 * 8
-    assert "nested model" in ops["inner"].note
+    assert "nested model" in ops["inner"].note and "64 B of activations" in ops["inner"].note
     # Several outputs: tagged name:i, kept, unknown class reads everything.
     assert ops["split"].outputs == ("split:0", "split:1")
     assert graph_lib.tag_names(split) == ["split:0", "split:1"]

@@ -87,3 +87,31 @@ def test_tensorboard_callback_log_dir_is_used(tmp_path):
     _fit([_autovm(), board])
     runs = {os.path.basename(os.path.dirname(e[0])) for e in _read_events(tmp_path)}
     assert "autovm" in runs and "train" in runs, runs
+
+
+def test_measured_peak_and_host_traffic_are_written(tmp_path):
+    # What a GPU measures, written as an epoch record carries it.
+    plan = keras_autovm.plan(small_cnn(), 8, budget="8MiB", policy="keep_all")
+    record = {"predicted_peak_bytes": plan.result.peak_bytes, "peak_bytes": 3 * 2**20,
+              "step_time": 0.01, "predicted_step_time": 0.02,
+              "planned_host_bytes_per_epoch": 0}
+    summaries.EpochSummaries(str(tmp_path)).epoch(
+        0, record, plan, {"to_host": 1000, "to_device": 24, "skipped_tensors": 5})
+    scalars = {e[2]: e[4] for e in _read_events(tmp_path) if e[3] == "scalar"}
+    assert scalars["autovm/measured_peak_bytes"] == 3 * 2**20
+    assert scalars["autovm/measured_host_bytes"] == 1024  # Tensor counts left out.
+
+
+def test_host_traffic_of_a_swap_plan_is_written(tmp_path):
+    callback = keras_autovm.AutoVM(budget="8MiB", policy="offload_all",
+                                   apply_without_gpu=True, verbose=0, log_dir=str(tmp_path))
+    _fit([callback])
+    scalars = {(e[1], e[2]): e[4] for e in _read_events(tmp_path) if e[3] == "scalar"}
+    stats = callback.report.stats
+    if BACKEND == "tensorflow":  # Explicit copies: TensorFlow does not count them.
+        assert not any(tag == "autovm/measured_host_bytes" for _, tag in scalars)
+        return
+    moved = stats["measured_bytes_to_host"] + stats["measured_bytes_to_device"]
+    assert moved > 0
+    assert scalars[(1, "autovm/measured_host_bytes")] == moved  # Both epochs, so far.
+    assert 0 < scalars[(0, "autovm/measured_host_bytes")] < moved

@@ -30,6 +30,7 @@ from keras_autovm.model_graph import shapes
 from keras_autovm.planner.graph import Graph
 from keras_autovm.planner.graph import OpSpec
 from keras_autovm.planner.graph import TensorSpec
+from keras_autovm.planner.plan import format_bytes
 from keras_autovm.wrapper import AutoVMWrapper
 
 
@@ -241,11 +242,11 @@ def _rules(layer, inner, num_calls, num_outputs, batch_size, backend, inputs=Non
     if num_calls > 1:
         rules["swap"] = rules["recompute"] = False
         notes.append(f"shared layer called {num_calls} times: kept")
-        op_notes.append("shared layer")
+        op_notes.append(f"shared layer called {num_calls} times, its outputs kept")
     if num_outputs > 1:
         rules["swap"] = rules["recompute"] = False
         notes.append(f"{num_outputs} outputs: kept")
-        op_notes.append("multiple outputs")
+        op_notes.append(f"{num_outputs} outputs, kept")
     if isinstance(inner, keras.Model):
         rules["recompute"] = False
         notes.append("nested model: managed as one op, not recomputed")
@@ -274,8 +275,8 @@ def _nested(model, batch_size, backend, inputs=None):
     # its backward; its outputs are the outer op's tagged outputs.
     internal = sum(t.nbytes for t in inner_tensors
                    if t.bwd_readers and t.name not in output_tags)
-    note = (f"nested model of {len(inner_ops)} ops managed as one; its "
-            f"{internal} bytes of activations are kept")
+    note = (f"nested model of {len(inner_ops)} ops managed as one, not "
+            f"recomputed; its {format_bytes(internal)} of activations are kept")
     return (sum(op.flops for op in inner_ops), sum(op.mem_bytes for op in inner_ops),
             note, internal)
 

@@ -257,7 +257,10 @@ def _notes(graph, actions, uses):
     each a sentence."""
     notes = [f"{op.name} is left as it is: {_clause(op.note)}."
              for op in graph.ops if op.note]
+    noted = {op.name for op in graph.ops if op.note}
     for t in graph.tensors:
+        if t.producer in noted:  # One line a layer call: its op's says why.
+            continue
         barred = [_VERBS[u] for u in uses
                   if not (t.can_swap if u == "swap" else t.can_recompute)]
         forced = actions[t.name] == "keep" and t.bwd_readers and barred

@@ -49,12 +49,19 @@ class JaxMechanism(Mechanism):
         return ("keep", "swap", "recompute")
 
     def auto_actions(self):
-        """No swaps. XLA's offload keeps the device footprint far above the
+        """No swaps. XLA's offload kept the device footprint far above the
         plan (VGG-19, results/gpu_vgg19_memory.json: offload_all 17.57 GiB
-        on device for a planned 8.3 GiB); the host copies (`swap.py`) await
-        their GPU measurement. To let `auto` swap by copies, return
-        `self.actions()` here when `self.swap_mode == "copies"`."""
+        on device for a planned 8.3 GiB). The host copies (`swap.py`) free
+        memory, but only in an unjitted step, which on an H100 needed more
+        memory and time than Keras's jitted one and 2.2x the planned peak
+        (results/jax/gpu_jax_swap_cap12.json). To let `auto` swap by copies,
+        return `self.actions()` here when `self.swap_mode == "copies"`."""
         return ("keep", "recompute")
+
+    def moved_bytes(self):
+        """Bytes the host copies moved in this fit (`swap.py` counts them)."""
+        return {"to_host": self.stats["bytes_to_host"],
+                "to_device": self.stats["bytes_to_device"]}
 
     @property
     def replays_segments(self):

@@ -57,8 +57,10 @@ class TensorFlowMechanism(Mechanism):
         return ("keep", "swap", "recompute")
 
     def auto_actions(self):
-        """Explicit swap is left to named policies until its peak and step
-        time are measured against the plan on a GPU."""
+        """Explicit swap is left to named policies: on an H100, swapping
+        every VGG-19 output lowered the measured peak by 8% to 15%, which
+        stayed 1.6x to 2.2x the planned one
+        (results/tensorflow/gpu_swap_tf_predict.json)."""
         if self.managed:
             return self.actions()
         return ("keep", "recompute")
