@@ -131,6 +131,22 @@ def test_no_gpu_warns_and_changes_nothing():
     assert_same_weights(reference, model, exact=True)
 
 
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_relative_budget_without_gpu_fails_before_training(budget):
+    # docs/api.md, Budgets: applied without a GPU, AutoVM has no device
+    # memory for `None` (all of it) or a fraction to refer to.
+    if keras_autovm.mechanisms.get().gpu_available():
+        pytest.skip("a GPU is present")
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="no GPU was found. Pass an absolute budget"):
+        model.fit(*data(8), epochs=1, verbose=0,
+                  callbacks=[keras_autovm.AutoVM(budget=budget, apply_without_gpu=True)])
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # Nothing was trained.
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"budget": "16 gigs"}, "budget='16 gigs'"),
     ({"budget": -1}, "budget=-1"),

@@ -34,7 +34,7 @@ def test_installed_versions_are_the_checked_ones(package):
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(f"{package} is not installed")
     installed = installed.split("+")[0]  # torch's local tag, e.g. +cpu
-    assert installed == internals.CHECKED_VERSIONS[package], (
+    assert installed in internals.CHECKED_VERSIONS[package], (
         f"{package} {installed} is installed, but keras_autovm/internals.py "
         f"was checked against {internals.CHECKED_VERSIONS[package]}: re-read "
         "every reach there against the new version, then update "
