@@ -25,7 +25,8 @@ def time_unit(largest):
                  if largest >= size), _TIME_UNITS[-1])
 
 
-def timeline(plan, budget, measured_peak, title, path=None):
+def timeline(plan, budget, measured_peak, title, path=None,
+             peak_label="measured peak"):
     """Predicted device memory over one training step.
 
     Args:
@@ -34,6 +35,8 @@ def timeline(plan, budget, measured_peak, title, path=None):
         measured_peak: the peak the backend measured, or `None`.
         title: the figure's title.
         path: where to save a PNG, or `None`. Defaults to `None`.
+        peak_label: the legend's words for `measured_peak`. Defaults to
+            `"measured peak"`.
 
     Returns:
         The matplotlib figure.
@@ -60,8 +63,7 @@ def timeline(plan, budget, measured_peak, title, path=None):
                        + (f" and {plan.memory_scale:.2f}x measured overhead"
                           if plan.memory_scale != 1.0 else ""))
     if measured_peak is not None:
-        ax.axhline(measured_peak / size, color="black", ls=":",
-                   label="measured peak")
+        ax.axhline(measured_peak / size, color="black", ls=":", label=peak_label)
     ax.set_ylim(0, max(levels) / size * 1.08)
     ax.set_xlabel(f"time in one training step ({tname}, predicted)")
     ax.set_ylabel(f"device memory ({unit})")

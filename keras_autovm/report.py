@@ -101,8 +101,11 @@ class Report:
         Returns:
             The matplotlib figure.
         """
+        # XLA offers no reset: JAX's peak is the process's since it started.
+        label = ("measured peak (the process's so far)" if self.backend == "jax"
+                 else "measured peak")
         return plots.timeline(self.plan, self.budget, self.measured_peak(),
-                              self.title(), path)
+                              self.title(), path, peak_label=label)
 
     def plot_layers(self, path=None):
         """Plots, per layer output, its bytes and its action (keep, swap,
