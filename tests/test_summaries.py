@@ -102,7 +102,7 @@ def test_measured_peak_and_host_traffic_are_written(tmp_path):
     assert scalars["autovm/measured_host_bytes"] == 1024  # Tensor counts left out.
 
 
-def test_host_traffic_of_a_swap_plan_is_written(tmp_path):
+def test_host_traffic_of_a_swap_plan_is_written(tmp_path, swap_small_tensors):
     callback = keras_autovm.AutoVM(budget="8MiB", policy="offload_all",
                                    apply_without_gpu=True, verbose=0, log_dir=str(tmp_path))
     _fit([callback])
