@@ -66,8 +66,8 @@ def _relax(runtime, applied, reason):
         f"AutoVM: the first step under its plan for batch size {batch} ran out "
         f"of GPU memory ({reason}); the plan predicted "
         f"{format_bytes(plan.result.peak_bytes)} and the device has "
-        f"{format_bytes(device)} for training, so the memory model under-counts this model "
-        f"here. Replanned with a measured memory overhead of "
+        f"{format_bytes(device)} for training, so the memory model "
+        f"under-counts this model here. Replanned with a measured memory overhead of "
         f"{plans.memory_scale:.2f}x (predicted peak now "
         f"{format_bytes(new.result.peak_bytes)}) and ran the step again.")
     return runtime.plan_for(batch, plans.shapes_at(batch))
