@@ -18,11 +18,6 @@ from keras_autovm.model_graph import build_graph
 from keras_autovm.model_graph import input_shapes_of
 from keras_autovm.model_graph import needs_input_shapes
 
-# Share of the budget kept free for what the planner does not model: the
-# framework's scratch buffers and fragmentation. Measured on VGG-19 with JAX
-# (results/gpu_vgg19_memory.json), XLA assigned 7% to 18% more than planned.
-DEFAULT_HEADROOM = 0.15
-
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -94,11 +89,20 @@ def _parse_string(text, argument):
 
 
 def check_headroom(headroom):
-    """Rejects a headroom outside [0, 1), naming the argument."""
+    """Rejects a headroom outside [0, 1) that is not `None`, naming the
+    argument."""
+    if headroom is None:
+        return
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
             or not 0 <= headroom < 1:
-        raise ValueError("`headroom` must be a number in [0, 1). "
+        raise ValueError("`headroom` must be a number in [0, 1) or None. "
                          f"Received: headroom={headroom!r}")
+
+
+def headroom_for(headroom, mechanism):
+    """`headroom`, or the backend's own default (`Mechanism.default_headroom`)
+    when it is `None`."""
+    return mechanism.default_headroom if headroom is None else headroom
 
 
 def graph_for(model, batch_size, mechanism, profile=None, input_shapes=None):

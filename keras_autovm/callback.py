@@ -84,7 +84,9 @@ class AutoVM(keras.callbacks.Callback):
             defaults. Defaults to `None`.
         headroom: the share of `budget` kept free for memory the planner
             does not model (framework scratch buffers, fragmentation): plans
-            must fit `budget * (1 - headroom)`. Defaults to 0.15.
+            must fit `budget * (1 - headroom)`. A number in [0, 1), or
+            `None`: the backend's default, 0.05 on torch and 0.15 on JAX
+            and TensorFlow. Defaults to `None`.
         batch_size: the training batch size to plan for. `None` reads it
             from each batch, or, where the traced batch has no static size
             (TensorFlow's input pipelines), from the data `fit` was given.
@@ -107,7 +109,7 @@ class AutoVM(keras.callbacks.Callback):
                  policy: str = "auto", verbose: int = 1, profile_steps: int = 5,
                  report_dir: str | None = None, apply_without_gpu: bool = False,
                  cost: planner.CostModel | None = None,
-                 headroom: float = budget_lib.DEFAULT_HEADROOM,
+                 headroom: float | None = None,
                  batch_size: int | None = None, profile="auto",
                  log_dir: str | None = None):
         super().__init__()
@@ -175,6 +177,7 @@ class AutoVM(keras.callbacks.Callback):
             return
         self._budget_bytes = budget_lib.parse_budget(
             self.budget, self._mechanism.device_memory())
+        self._headroom = budget_lib.headroom_for(self.headroom, self._mechanism)
         fit = internals.running_fit()
         batch_size = self.batch_size or internals.batch_size_of(fit.get("epoch_iterator"))
         cost = self.cost or calibration.measured_cost(self._mechanism)
@@ -184,11 +187,11 @@ class AutoVM(keras.callbacks.Callback):
         self.measured, self._profile_source = profiling.for_fit(
             self.profile, self._target, batch_size, self._mechanism,
             verbose=self.verbose and (self.params or {}).get("verbose", 1) in (1, "auto"),
-            limit_bytes=int(self._budget_bytes * (1 - self.headroom)))
+            limit_bytes=int(self._budget_bytes * (1 - self._headroom)))
         if self.measured is not None:
             cost = self.measured.cost(cost, self._mechanism.copy_link)
         plans = budget_lib.PlanBook(
-            self._target, self._budget_bytes, self.headroom, self.policy, cost,
+            self._target, self._budget_bytes, self._headroom, self.policy, cost,
             self._mechanism, announce=self._announce if self.verbose else None,
             profile=self.measured)
         self._runtime = Runtime(self._mechanism, plans,
@@ -206,7 +209,7 @@ class AutoVM(keras.callbacks.Callback):
         """Raises the `PlanError` of a budget no plan meets before layers
         are timed: whether any plan fits does not depend on layer times,
         and timing under such a budget can itself run out of memory."""
-        budget_lib.PlanBook(self._target, self._budget_bytes, self.headroom,
+        budget_lib.PlanBook(self._target, self._budget_bytes, self._headroom,
                             self.policy, cost, self._mechanism).plan(batch_size)
 
     def on_epoch_begin(self, epoch, logs=None):

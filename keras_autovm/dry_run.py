@@ -16,7 +16,7 @@ from keras_autovm import profiling
 def plan(model: keras.Model, batch_size: int,
          budget: int | str | float | None = None, policy: str = "auto",
          cost: planner.CostModel | None = None,
-         headroom: float = budget_lib.DEFAULT_HEADROOM,
+         headroom: float | None = None,
          profile=None,
          input_shape: tuple | list | dict | None = None) -> planner.Plan:
     """Plans which layer outputs to keep, swap to host or recompute.
@@ -42,7 +42,9 @@ def plan(model: keras.Model, batch_size: int,
             defaults. Defaults to `None`.
         headroom: the share of `budget` kept free for memory the planner
             does not model (framework scratch buffers, fragmentation): plans
-            must fit `budget * (1 - headroom)`. Defaults to 0.15.
+            must fit `budget * (1 - headroom)`. A number in [0, 1), or
+            `None`: the backend's default, 0.05 on torch and 0.15 on JAX
+            and TensorFlow. Defaults to `None`.
         profile: measured layer and link costs: a
             `keras_autovm.profiling.Profile` or the path of its JSON (as
             `AutoVM` caches them, or `profiling.measure` returns); `None`
@@ -75,6 +77,7 @@ def plan(model: keras.Model, batch_size: int,
             f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
     budget_lib.check_headroom(headroom)
     mechanism = mechanisms.get()
+    headroom = budget_lib.headroom_for(headroom, mechanism)
     budget_bytes = budget_lib.parse_budget(budget, mechanism.device_memory())
     measured = None if profile is None else profiling.load(profile)
     if measured is not None:

@@ -267,7 +267,7 @@ def predicted_largest(model_name, method, cap_bytes, hi=2048):
         try:
             graph = keras_autovm.budget.graph_for(model, batch, mechanism)
             keras_autovm.budget.plan_within(
-                graph, cap_bytes, keras_autovm.budget.DEFAULT_HEADROOM, policy,
+                graph, cap_bytes, mechanism.default_headroom, policy,
                 keras_autovm.calibration.measured_cost(mechanism), mechanism)
             return True
         except keras_autovm.PlanError:
@@ -350,7 +350,7 @@ def greedy_budget(keep, offload):
     peaks = [r.get("predicted_peak_bytes") for r in (keep, offload)]
     if not all(peaks):
         return None
-    return int(sum(peaks) / 2 / (1 - keras_autovm.budget.DEFAULT_HEADROOM))
+    return int(sum(peaks) / 2 / (1 - keras_autovm.mechanisms.get().default_headroom))
 
 
 def part_one(args):

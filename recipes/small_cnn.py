@@ -67,7 +67,7 @@ def default_budget(model, batch_size):
     budget = (keep + least) // 2
     print(f"Keeping every activation needs a budget of {fmt(keep)}, the least "
           f"AutoVM can plan needs {fmt(least)} (both with "
-          f"{keras_autovm.budget.DEFAULT_HEADROOM * 100:g}% headroom): "
+          f"{keras_autovm.mechanisms.get().default_headroom * 100:g}% headroom): "
           f"budget {fmt(budget)}.")
     return budget
 

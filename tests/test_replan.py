@@ -15,7 +15,8 @@ def fit_with_peak(monkeypatch, factor, budget_share):
     model = small_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     keep = keras_autovm.plan(model, 8, budget=2**40, policy="keep_all", headroom=0)
-    budget = int(keep.result.peak_bytes * budget_share / 0.85)
+    budget = int(keep.result.peak_bytes * budget_share
+                 / (1 - mechanisms.get().default_headroom))
     callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True,
                                    profile=None)
     cls = type(mechanisms.get())
@@ -80,12 +81,13 @@ def test_after_a_memory_replan_the_figures_name_the_overhead(monkeypatch, capsys
     plan = callback.plan
     assert plan.memory_scale == pytest.approx(1.5, rel=1e-3)
     # The limit is the budget less headroom, divided by the overhead; the
-    # headroom is still 15% of the budget, not what the limit left over.
-    assert plan.budget == pytest.approx(plan.device_budget * 0.85 / 1.5, rel=1e-3)
+    # headroom is still its share of the budget, not of what the limit left.
+    share = keras_autovm.mechanisms.get().default_headroom
+    assert plan.budget == pytest.approx(plan.device_budget * (1 - share) / 1.5, rel=1e-3)
     line = keras_autovm.planner.plan.memory_line(plan.device_budget, plan.headroom,
                                                   plan.budget, plan.memory_scale)
     assert "measured overhead 1.50x" in line
-    assert f"({keras_autovm.planner.format_bytes(plan.device_budget * 0.15)})" in line
+    assert f"({keras_autovm.planner.format_bytes(plan.device_budget * share)})" in line
     from keras_autovm import report
     record = report.epoch_record(0, 1, plan, 4, 0.01, None)
     assert "1.50x measured overhead" in report.epoch_line(record)

@@ -35,11 +35,16 @@ def test_report_json_matches_printed_epoch_lines(tmp_path, capsys):
     assert during == [keras_autovm.report.epoch_line(r) for r in saved["epochs"]]
     assert during[0].startswith("AutoVM epoch 1/2: sqrt_recompute")
     # The budget, the headroom and the limit, each named.
-    assert (saved["budget_bytes"], saved["headroom"]) == (8 * 2**20, 0.15)
-    assert saved["limit_bytes"] == saved["plan"]["limit_bytes"] == int(8 * 2**20 * 0.85)
-    assert f"limit {format_bytes(saved['limit_bytes'])} (budget 8.00 MiB less 15% headroom)" \
-        in during[0]
-    assert "Memory: budget 8.00 MiB, headroom 15% (1.20 MiB), limit 6.80 MiB" in printed
+    # The backend's default headroom (5% on torch, 15% elsewhere).
+    share = keras_autovm.mechanisms.get().default_headroom
+    assert (saved["budget_bytes"], saved["headroom"]) == (8 * 2**20, share)
+    assert saved["limit_bytes"] == saved["plan"]["limit_bytes"] \
+        == int(8 * 2**20 * (1 - share))
+    assert (f"limit {format_bytes(saved['limit_bytes'])} "
+            f"(budget 8.00 MiB less {share * 100:g}% headroom)") in during[0]
+    assert (f"Memory: budget 8.00 MiB, headroom {share * 100:g}% "
+            f"({format_bytes(8 * 2**20 * share)}), "
+            f"limit {format_bytes(saved['limit_bytes'])}") in printed
     # Rates say their period.
     record = saved["epochs"][0]
     assert record["planned_host_bytes_per_epoch"] == \
@@ -68,7 +73,8 @@ def test_timeline_and_layers_figures(tmp_path):
     ax = fig.axes[0]
     assert ax.get_title() == f"small_cnn, batch size 8, {BACKEND}, policy sqrt_recompute"
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    for label in ("budget", "limit (budget less headroom)", "headroom (15%)",
+    share = keras_autovm.mechanisms.get().default_headroom
+    for label in ("budget", "limit (budget less headroom)", f"headroom ({share * 100:g}%)",
                   "forward", "backward", "predicted (sqrt_recompute)"):
         assert label in labels, labels
     # The legend sits right of the axes: it hides no line.

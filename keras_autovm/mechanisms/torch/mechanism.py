@@ -29,6 +29,11 @@ class TorchMechanism(Mechanism):
 
     backend = "torch"
     in_flight_seconds = IN_FLIGHT_SECONDS
+    # torch's allocated peak is what the plan models: measured 0.5% and 3.3%
+    # above the plan on VGG-19, 1.5% to 6% below it on ResNet-152
+    # (docs/results.md). 15% made VGG-19 recompute what fit. A step that runs
+    # out of memory anyway is run again under a plan with the measured gap.
+    default_headroom = 0.05
     reruns_steps = True  # Eager: a step that ran out of memory can run again.
     calls_layers_each_step = True
 
