@@ -233,6 +233,23 @@ def test_first_step_out_of_memory_is_replanned_and_run_again():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("headroom, margin", [(0.0, 1.05), (0.05, 1.0), (0.15, 1.0)])
+def test_an_out_of_memory_replan_adds_only_the_margin_the_headroom_lacks(headroom, margin):
+    # The step needed more than the device (here the budget: no GPU) under a
+    # plan predicted at the keep-all peak. The retried plan must be 1/1.05
+    # of it or less; a headroom of 5% or more already makes it so.
+    keep, budget = _roomy_budget()
+    _RunsOutOnce.failures = 0
+    callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True,
+                                   headroom=headroom, profile=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(_flaky_cnn, [callback])
+    need = budget / keep.result.peak_bytes
+    assert callback.report.stats["memory_scale"] == pytest.approx(need * margin, rel=1e-6)
+    assert callback.report.plan.result.peak_bytes <= keep.result.peak_bytes / 1.05
+
+
 def test_a_failed_step_leaves_no_activations_behind(monkeypatch):
     # Saved-tensor hooks make cycles through autograd's C++ graph (a saved
     # output holds its own node), which only a finished backward breaks:
