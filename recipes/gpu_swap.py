@@ -170,7 +170,12 @@ def plan_facts(callback):
             "predicted_peak_bytes": plan.result.peak_bytes,
             # The step time predicted after the first epoch's calibration.
             "predicted_step_s": epochs[-1]["predicted_step_time"],
-            "stats": callback.report.stats}
+            "stats": callback.report.stats,
+            # What each tensor's action, prefetch point and predicted stall
+            # were, and the layer times planned with: to find where a
+            # measured step departs from the plan.
+            "plan": plan.to_dict(),
+            "op_times": [(op.name, op.fwd_time, op.bwd_time) for op in plan.graph.ops]}
 
 
 def timer(backend):

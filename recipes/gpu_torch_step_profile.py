@@ -1,0 +1,216 @@
+"""Where a torch training step's time goes under AutoVM, against in-core.
+
+    python3 recipes/gpu_torch_step_profile.py --model vgg19 --batch 64 \\
+        --cap-gib 10.9 --out $OUT/step_profile_vgg19.json
+
+Each variant trains in its own process: in-core without a cap, then
+`AutoVM(budget=<cap>)` under the cap (and, with `--policies`, AutoVM under
+named policies). Two epochs of `--steps` steps: the first plans and
+calibrates; the second runs under `torch.profiler` from its second step on.
+From the profiler's trace, per step: the wall time (each step waits for the
+device), the time the GPU ran kernels (the union of their intervals), the
+copies to host and back (and how much of them ran while no kernel did), and
+the time the GPU did nothing. A step longer than its plan is then more
+kernels (recompute), exposed copies, or a GPU waiting for Python.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+os.environ.setdefault("KERAS_BACKEND", "torch")
+GiB = 2**30
+
+
+def union(intervals):
+    """Merged (start, end) intervals, sorted."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def outside(intervals, cover):
+    """How much of `intervals` (merged) lies outside `cover` (merged)."""
+    return length(intervals) - length(_intersection(intervals, cover))
+
+
+def _intersection(a, b):
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append([start, end])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def breakdown(trace, steps, wall_s):
+    """Per-step GPU times (ms) from a Chrome trace of `steps` steps."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kernels = union((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "kernel")
+    copies = {d: union((e["ts"], e["ts"] + e["dur"]) for e in events
+                       if e.get("cat") == "gpu_memcpy" and d in e.get("name", ""))
+              for d in ("DtoH", "HtoD")}
+    busy = union(kernels + copies["DtoH"] + copies["HtoD"])
+    ms = 1e-3 / steps  # Trace times are microseconds.
+    return {
+        "wall_ms": wall_s * 1e3 / steps,
+        "kernels_ms": length(kernels) * ms,
+        "d2h_ms": length(copies["DtoH"]) * ms,
+        "h2d_ms": length(copies["HtoD"]) * ms,
+        "copies_without_kernels_ms": outside(union(copies["DtoH"] + copies["HtoD"]),
+                                             kernels) * ms,
+        "gpu_busy_ms": length(busy) * ms,
+        "gpu_idle_ms": wall_s * 1e3 / steps - length(busy) * ms,
+    }
+
+
+def child(args):
+    import gpu_swap
+    import keras
+    import numpy as np
+    import torch
+
+    cap = 0.0 if args.variant == "incore" else args.cap_gib
+    if torch.cuda.is_available():
+        gpu_swap.setup("torch", cap)
+    model = gpu_swap.build(args.model)
+    callbacks = []
+    if args.variant != "incore":
+        import keras_autovm
+        policy = args.variant.split(":", 1)[1] if ":" in args.variant else "auto"
+        callbacks.append(keras_autovm.AutoVM(budget=int(cap * GiB), policy=policy,
+                                             verbose=0))
+    profiled = profiling_callback(keras, torch)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch * args.steps, 224, 224, 3)).astype("float32")
+    y = rng.integers(0, 1000, args.batch * args.steps)
+    model.fit(x, y, batch_size=args.batch, epochs=2, shuffle=False, verbose=0,
+              callbacks=callbacks + [profiled])
+    out = {"variant": args.variant, "cap_gib": cap, "batch": args.batch,
+           "profiled_steps": len(profiled.times),
+           "step_ms": [t * 1e3 for t in profiled.times],
+           "per_step": breakdown(profiled.trace, len(profiled.times), sum(profiled.times)),
+           "peak_bytes": torch.cuda.max_memory_allocated()
+           if torch.cuda.is_available() else None}
+    if callbacks:
+        plan = callbacks[0].plan
+        out.update(counts=plan.counts(), chosen=plan.policy,
+                   predicted={k: getattr(plan.result, k) for k in (
+                       "step_time", "compute_time", "recompute_time", "stall_time",
+                       "peak_bytes")},
+                   stats=callbacks[0].report.stats, plan=plan.to_dict(),
+                   op_times=[(op.name, op.fwd_time, op.bwd_time) for op in plan.graph.ops])
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def profiling_callback(keras, torch):
+    """Profiles the second epoch from its second step, each step timed to
+    the device's end (the loss is read back)."""
+
+    class Profiled(keras.callbacks.Callback):
+        times, trace, profiler, epoch = [], None, None, 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == 1 and batch == 1:
+                self.profiler = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA])
+                self.profiler.__enter__()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])  # Waits for the device.
+            if self.profiler is not None:
+                self.times.append(time.perf_counter() - self.start)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.profiler is None:
+                return
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "trace.json")
+                self.profiler.export_chrome_trace(path)
+                with open(path) as f:
+                    self.trace = json.load(f)
+            self.profiler = None
+
+    return Profiled()
+
+
+def spawn(args, variant):
+    command = [sys.executable, os.path.abspath(__file__), "--child",
+               "--variant", variant, "--model", args.model, "--batch", str(args.batch),
+               "--steps", str(args.steps), "--cap-gib", str(args.cap_gib)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "status": "timeout"}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[7:]), status="ok")
+    return {"variant": variant, "status": "error",
+            "log_tail": (done.stdout + done.stderr)[-3000:]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vgg19", choices=("vgg19", "resnet152"))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cap-gib", type=float, default=10.9)
+    parser.add_argument("--policies", default="",
+                        help="AutoVM policies besides auto, comma-separated")
+    parser.add_argument("--timeout", type=int, default=150)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    import gpu_swap
+    variants = ["incore", "autovm"] + [f"autovm:{p}" for p in args.policies.split(",") if p]
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "command": " ".join(["python3"] + sys.argv),
+               "versions": gpu_swap.versions("torch"),
+               "runs": [spawn(args, v) for v in variants]}
+    for run in results["runs"]:
+        row = run.get("per_step", {})
+        print(f"{run['variant']:28s} {run['status']:8s} "
+              + " ".join(f"{k} {v:.1f}" for k, v in row.items())
+              + (f" | plan {run['predicted']['step_time'] * 1e3:.1f} ms {run['counts']}"
+                 if "predicted" in run else ""), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
