@@ -73,7 +73,23 @@ def breakdown(trace, steps, wall_s):
               for d in ("DtoH", "HtoD")}
     busy = union(kernels + copies["DtoH"] + copies["HtoD"])
     ms = 1e-3 / steps  # Trace times are microseconds.
+    # Where the CPU waited: CUDA runtime calls by total time (a cudaFree or
+    # a synchronize stops the CPU from queueing work ahead of the GPU).
+    runtime = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"] * ms
+    origin = min((start for start, _ in busy), default=0)
+    big = [{"name": e["name"], "start_ms": (e["ts"] - origin) / 1e3,
+            "ms": e["dur"] / 1e3,
+            "without_kernels_ms": outside([[e["ts"], e["ts"] + e["dur"]]], kernels) / 1e3}
+           for e in sorted(events, key=lambda e: e["ts"])
+           if e.get("cat") == "gpu_memcpy" and e["dur"] > 1000][:12]
     return {
+        "big_copies": big,
+        "d2h_without_kernels_ms": outside(copies["DtoH"], kernels) * ms,
+        "h2d_without_kernels_ms": outside(copies["HtoD"], kernels) * ms,
+        "cuda_runtime_ms": dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:8]),
         "wall_ms": wall_s * 1e3 / steps,
         "kernels_ms": length(kernels) * ms,
         "d2h_ms": length(copies["DtoH"]) * ms,
@@ -203,7 +219,7 @@ def main():
     for run in results["runs"]:
         row = run.get("per_step", {})
         print(f"{run['variant']:28s} {run['status']:8s} "
-              + " ".join(f"{k} {v:.1f}" for k, v in row.items())
+              + " ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float))
               + (f" | plan {run['predicted']['step_time'] * 1e3:.1f} ms {run['counts']}"
                  if "predicted" in run else ""), flush=True)
     if args.out:
