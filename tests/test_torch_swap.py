@@ -97,6 +97,35 @@ def test_swapping_a_layers_own_saved_tensors():
     assert callback.report.stats["bytes_to_host"] >= plan.graph.tensor_map["c2:saved"].nbytes
 
 
+def test_copies_come_back_at_the_plans_prefetch_point(monkeypatch):
+    # Each swapped tensor with a prefetch point is fetched by the hook on
+    # that layer's gradient, ahead of its use; none waits until autograd
+    # unpacks it. (The prefetch hooks used to find no copy: a tag was
+    # forgotten once its storage was freed, before the prefetch layer ran,
+    # so every copy back started only where it was needed.)
+    import inspect
+
+    from keras_autovm.mechanisms.torch import swap
+    callers = []
+    fetch = swap.Step.fetch
+
+    def recording(self, copy):
+        callers.append(inspect.stack()[1].function)
+        return fetch(self, copy)
+
+    monkeypatch.setattr(swap.Step, "fetch", recording)
+    callback = autovm("offload_all")
+    train(small_cnn, [callback], epochs=1)
+    plan = callback.plan
+    swapped = [t for t, a in plan.actions.items() if a == "swap"]
+    early = [t for t in swapped if plan.prefetch.get(t)]
+    assert early, plan.prefetch
+    steps = 4
+    assert callers.count("_prefetch") >= len(early) * steps, callers
+    late = [t for t in swapped if not plan.prefetch.get(t)]
+    assert callers.count("unpack") <= len(late) * steps * 2, (callers, late)
+
+
 def test_bookkeeping_is_per_step_and_bounded():
     """The host pool is allocated once per fit and reused by every step."""
     callback = autovm("offload_all")

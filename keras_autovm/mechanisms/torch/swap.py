@@ -141,6 +141,10 @@ class Step:
         self.done = set()  # tags past their last forward reader
         self.cursor = 0
         self.in_flight = collections.deque()  # (event, nbytes)
+        # tag -> weak references to its copies, for the prefetch hooks: the
+        # bookkeeping above lets go of a tag once its storage is freed,
+        # which is before the layer where its prefetch is armed.
+        self.fetchable = collections.defaultdict(list)
         # Weakly: autograd owns the handles, and frees each after its use.
         self.handles = []
 
@@ -185,6 +189,7 @@ class Step:
             self.sharers[key].add(tag)
             if tag in self.layout.swap:
                 self._copy_out(key, tensor.untyped_storage(), tensor.device)
+                self._fetchable(tag, key)
         self._swap_internal(name)
         self._arm_prefetch(name, tensors)
         position = self.layout.index[name]
@@ -201,6 +206,7 @@ class Step:
         self.storages.clear()
         self.copies.clear()
         self.saved.clear()
+        self.fetchable.clear()
 
     def abandon(self):
         """Lets go of a step whose backward will not run (it failed). A
@@ -227,6 +233,7 @@ class Step:
             if key in tags or key not in self.saved:
                 continue
             self._copy_out(key, storage, self.saved[key][0].tensor.device)
+            self._fetchable(f"{name}:saved", key)
             if key in self.copies:
                 self.storages[key] = storage
                 self._free(key)
@@ -288,15 +295,19 @@ class Step:
 
     # ------------------------------------------------------- the backward
 
+    def _fetchable(self, tag, key):
+        # Weak: the copy must die with autograd's last handle, not the hook.
+        if key in self.copies:
+            self.fetchable[tag].append(weakref.ref(self.copies[key]))
+
     def _arm_prefetch(self, name, tensors):
         tags = self.layout.prefetch_at.get(name)
         grad = next((x for x in tensors if x.requires_grad), None)
         if not tags or grad is None:
             return
-        # Weak: the copy must die with autograd's last handle, not the hook.
-        copies = [weakref.ref(self.copies[self.keys[t]]) for t in tags
-                  if self.keys.get(t) in self.copies]
-        grad.register_hook(lambda g: self._prefetch(copies))
+        copies = [ref for tag in tags for ref in self.fetchable.get(tag, ())]
+        if copies:
+            grad.register_hook(lambda g: self._prefetch(copies))
 
     def _prefetch(self, copies):
         for ref in copies:
