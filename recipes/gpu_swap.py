@@ -8,8 +8,9 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
 - equivalence: a small CNN whose activations are over 1 MiB, trained with
   `AutoVM(policy="offload_all")` and without, deterministic kernels: are
   the weights identical?
-- predict: keep_all, offload_all and greedy_offload (budget: 60% of what
-  keep_all needs) at two batch sizes, no cap, each run in its own process:
+- predict: keep_all, offload_all and greedy_offload (budget: a limit
+  halfway between the two others' predicted peaks) at two batch sizes, no
+  cap, each run in its own process:
   the plan's predicted peak and step time (after AutoVM's calibration)
   against the measured ones.
 - largest: under a memory cap (`--cap-gib`), the largest batch that trains
