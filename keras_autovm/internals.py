@@ -195,6 +195,35 @@ def has_keras_mask(args):
                for x in keras.tree.flatten(args) if hasattr(x, "shape"))
 
 
+# ------------------------------------------------------------------- dtypes
+
+
+@contextlib.contextmanager
+def float64_results():
+    """Keeps Keras's dtype promotion from turning float64 into float32.
+
+    Keras's `result_type` maps every 64-bit result to 32 bits on JAX and
+    torch (`BIT64_TO_BIT32_DTYPE` in `keras/src/backend/common/dtypes.py`,
+    to match JAX's default), even under floatx float64: batch normalization
+    computes in `result_type(inputs.dtype, "float32")`, so a float64 model
+    normalized in float32 (after two steps, JAX Xception's weights under
+    AutoVM ended 4.6e-7 from Keras's own instead of 4.4e-16). No public switch changes this: floatx and the dtype policy
+    leave it alone. While active, float64 results stay float64 (as
+    TensorFlow's mapping has them already); the previous mapping comes back
+    on exit. Only tests use it: AutoVM itself trains in whatever dtype
+    Keras computes. Keras 3.15.1.
+    """
+    from keras.src.backend.common import dtypes
+
+    mapping = dtypes.BIT64_TO_BIT32_DTYPE
+    old = mapping["float64"]
+    mapping["float64"] = "float64"
+    try:
+        yield
+    finally:
+        mapping["float64"] = old
+
+
 # ------------------------------------------------------------- fit internals
 
 # The JAX trainer's stateless loss function: the smallest function holding

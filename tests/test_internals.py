@@ -317,6 +317,20 @@ def test_has_keras_mask_sees_what_a_masking_layer_sets():
     assert not internals.has_keras_mask((keras.ops.ones((1, 2)), 3))
 
 
+def test_float64_results_keeps_float64_and_restores():
+    # Keras maps float64 results to float32 on JAX and torch, not on
+    # TensorFlow (keras/src/backend/common/dtypes.py).
+    before = "float64" if BACKEND == "tensorflow" else "float32"
+    assert keras.backend.result_type("float64", "float32") == before
+    with internals.float64_results():
+        assert keras.backend.result_type("float64", "float32") == "float64"
+        assert keras.backend.result_type("float64", "int32") == "float64"
+    assert keras.backend.result_type("float64", "float32") == before
+    with pytest.raises(RuntimeError):
+        with internals.float64_results():
+            raise RuntimeError
+    assert keras.backend.result_type("float64", "float32") == before
+
 def test_torch_allocator_settings_are_reachable():
     if keras.backend.backend() != "torch":
         pytest.skip("torch's allocator")
