@@ -331,6 +331,7 @@ def test_float64_results_keeps_float64_and_restores():
             raise RuntimeError
     assert keras.backend.result_type("float64", "float32") == before
 
+
 def test_torch_allocator_settings_are_reachable():
     if keras.backend.backend() != "torch":
         pytest.skip("torch's allocator")
