@@ -208,9 +208,9 @@ def float64_results():
     computes in `result_type(inputs.dtype, "float32")`, so a float64 model
     normalized in float32 (after two steps, JAX Xception's weights under
     AutoVM ended 4.6e-7 from Keras's own instead of 4.4e-16). No public
-    switch changes this: floatx and the dtype policy leave it alone. While active, float64 results stay float64 (as
-    TensorFlow's mapping has them already); the previous mapping comes back
-    on exit. Only tests use it: AutoVM itself trains in whatever dtype
+    switch changes this: floatx and the dtype policy leave it alone. While
+    active, float64 results stay float64 (as TensorFlow's mapping has them
+    already); the previous mapping comes back on exit. Only tests use it: AutoVM itself trains in whatever dtype
     Keras computes. Keras 3.15.1.
     """
     from keras.src.backend.common import dtypes

@@ -55,13 +55,16 @@ def run_step(runtime, model, original, args, x):
 def _relax(runtime, applied, reason):
     plan, plans = applied.plan, runtime.plans
     device = runtime.mechanism.device_memory() or plans.budget_bytes
-    need = max(device, plan.result.peak_bytes) / max(plan.result.peak_bytes, 1)
-    # The headroom, kept free of the learnt need too, already makes the
-    # retried plan (1 - headroom) of the one that failed: the margin makes
-    # up only the rest. Stacking both left VGG-19 at 1.5x oversubscription
-    # on torch 0.2% short of its least plan, where that plan would fit.
-    margin = max(1.0, MARGIN * (1 - plans.headroom))
-    plans.memory_scale = max(plans.memory_scale, need) * margin
+    peak = max(plan.result.peak_bytes, 1)
+    need = max(device, peak) / peak
+    # The retried plan must need at least `need` times its prediction, and
+    # fit in 1/MARGIN of the failed one: its limit is the budget less the
+    # headroom, over the scale. Where the budget is the device's memory, the
+    # headroom alone shrinks it by (1 - headroom); a margin stacked on top
+    # of both left VGG-19 at 1.5x oversubscription on torch 0.2% short of
+    # its least plan, where that plan would fit.
+    shrink = MARGIN * plans.budget_bytes * (1 - plans.headroom) / peak
+    plans.memory_scale = max(plans.memory_scale, need, shrink)
     batch = plan.graph.batch_size
     new = plans.plan(batch, plans.shapes_at(batch))  # A PlanError is the user's.
     runtime.replace(new)

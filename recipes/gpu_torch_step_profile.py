@@ -10,8 +10,10 @@ calibrates; the second runs under `torch.profiler` from its second step on.
 From the profiler's trace, per step: the wall time (each step waits for the
 device), the time the GPU ran kernels (the union of their intervals), the
 copies to host and back (and how much of them ran while no kernel did), and
-the time the GPU did nothing. A step longer than its plan is then more
-kernels (recompute), exposed copies, or a GPU waiting for Python.
+the time the GPU did nothing (roughly: the timed steps' wall time less
+the GPU's busy time over the whole profiled window). A step longer than its
+plan is then more kernels (recompute), exposed copies, or a GPU waiting for
+Python.
 """
 
 import argparse
@@ -130,13 +132,7 @@ def child(args):
            "peak_bytes": torch.cuda.max_memory_allocated()
            if torch.cuda.is_available() else None}
     if callbacks:
-        plan = callbacks[0].plan
-        out.update(counts=plan.counts(), chosen=plan.policy,
-                   predicted={k: getattr(plan.result, k) for k in (
-                       "step_time", "compute_time", "recompute_time", "stall_time",
-                       "peak_bytes")},
-                   stats=callbacks[0].report.stats, plan=plan.to_dict(),
-                   op_times=[(op.name, op.fwd_time, op.bwd_time) for op in plan.graph.ops])
+        out.update(gpu_swap.plan_facts(callbacks[0]))
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -145,7 +141,9 @@ def profiling_callback(keras, torch):
     the device's end (the loss is read back)."""
 
     class Profiled(keras.callbacks.Callback):
-        times, trace, profiler, epoch = [], None, None, 0
+        def __init__(self):
+            super().__init__()
+            self.times, self.trace, self.profiler, self.epoch = [], None, None, 0
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
@@ -220,8 +218,8 @@ def main():
         row = run.get("per_step", {})
         print(f"{run['variant']:28s} {run['status']:8s} "
               + " ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float))
-              + (f" | plan {run['predicted']['step_time'] * 1e3:.1f} ms {run['counts']}"
-                 if "predicted" in run else ""), flush=True)
+              + (f" | plan {run['predicted_step_s'] * 1e3:.1f} ms {run['counts']}"
+                 if "counts" in run else ""), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -210,7 +210,7 @@ def test_a_budget_below_the_in_core_need_times_at_a_smaller_batch(cache):
     assert profiling.timing_batch(model, 8, None) == 8
     assert profiling.timing_batch(model, 8, 2**40) == 8
     assert profiling.timing_batch(model, 8, 1) == 1
-    callback = autovm(budget=int(limit / 0.85) + 1)
+    callback = autovm(budget=int(limit / (1 - mechanisms.get().default_headroom)) + 1)
     try:
         train(small_cnn, [callback])
     except keras_autovm.PlanError:
