@@ -169,7 +169,7 @@ class Step:
             return handle.tensor
         copy = handle.copy
         if copy.gpu is None:
-            self.stats["copy_backs_at_use"] = self.stats.get("copy_backs_at_use", 0) + 1
+            self.stats["copy_backs_at_use"] += 1
             self.fetch(copy)
         if copy.h2d is not None:
             torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
@@ -314,8 +314,7 @@ class Step:
         for ref in copies:
             copy = ref()
             if copy is not None and copy.gpu is None:
-                self.stats["copy_backs_prefetched"] = \
-                    self.stats.get("copy_backs_prefetched", 0) + 1
+                self.stats["copy_backs_prefetched"] += 1
                 self.fetch(copy)
 
     def fetch(self, copy):
