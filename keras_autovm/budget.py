@@ -136,7 +136,8 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     limit = int(budget_bytes * (1 - headroom) / memory_scale)
     cost = dataclasses.replace(mechanism.swap_cost(cost),
-                               replay_segments=mechanism.replays_segments)
+                               replay_segments=mechanism.replays_segments,
+                               holds_outputs=mechanism.holds_outputs)
     try:
         plan = planner.make_plan(graph, limit, policy=policy, cost=cost,
                                  allowed=allowed)

@@ -191,6 +191,10 @@ def has_keras_mask(args):
     """
     from keras.src.backend.common import masking
 
+    if len(args) == 1 and hasattr(args[0], "shape"):
+        # One tensor, the usual layer call: every layer of every eager step
+        # asks, and flattening costs more than the look-up.
+        return masking.get_keras_mask(args[0]) is not None
     return any(masking.get_keras_mask(x) is not None
                for x in keras.tree.flatten(args) if hasattr(x, "shape"))
 

@@ -47,6 +47,18 @@ class Runtime:
         self.declined = False
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0}
+        # Set while a step runs unchanged (`stepping_aside`).
+        self.aside = False
+
+    @contextlib.contextmanager
+    def stepping_aside(self):
+        """While a mechanism runs a step unchanged (`Plan.unchanged`): the
+        wrappers call their layers directly, as if they were not there."""
+        self.aside = True
+        try:
+            yield
+        finally:
+            self.aside = False
 
     def replace(self, plan):
         """Applies `plan` from now on; other batch sizes are planned anew."""

@@ -74,7 +74,7 @@ class AutoVMWrapper(keras.layers.Wrapper):
         if self._inner_takes_mask and mask is not None:
             kwargs["mask"] = mask
         runtime = self._autovm_runtime
-        if runtime is None or not training:
+        if runtime is None or not training or runtime.aside:
             return self.layer(inputs, *args, **kwargs)
         return runtime.call(self, inputs, args, kwargs, training)
 

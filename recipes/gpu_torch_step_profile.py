@@ -14,6 +14,11 @@ the time the GPU did nothing (roughly: the timed steps' wall time less
 the GPU's busy time over the whole profiled window). A step longer than its
 plan is then more kernels (recompute), exposed copies, or a GPU waiting for
 Python.
+
+`--variants` names the runs instead (`incore`, `autovm`, `autovm:<policy>`),
+each optionally with an allocator setting: `+expandable` or `+fixed` runs it
+with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` or `:False` (AutoVM
+turns expandable segments on unless the user chose).
 """
 
 import argparse
@@ -30,6 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 os.environ.setdefault("KERAS_BACKEND", "torch")
 GiB = 2**30
+ALLOCATOR = {"expandable": "True", "fixed": "False"}
 
 
 def union(intervals):
@@ -81,6 +87,12 @@ def breakdown(trace, steps, wall_s):
     for e in events:
         if e.get("cat") == "cuda_runtime":
             runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"] * ms
+    # The CPU-side operators by summed time (nested ones count in their
+    # callers too): what the Python of a step asks of torch.
+    cpu_ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            cpu_ops[e["name"]] = cpu_ops.get(e["name"], 0.0) + e["dur"] * ms
     origin = min((start for start, _ in busy), default=0)
     big = [{"name": e["name"], "start_ms": (e["ts"] - origin) / 1e3,
             "ms": e["dur"] / 1e3,
@@ -92,6 +104,7 @@ def breakdown(trace, steps, wall_s):
         "d2h_without_kernels_ms": outside(copies["DtoH"], kernels) * ms,
         "h2d_without_kernels_ms": outside(copies["HtoD"], kernels) * ms,
         "cuda_runtime_ms": dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:8]),
+        "cpu_ops_ms": dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:12]),
         "wall_ms": wall_s * 1e3 / steps,
         "kernels_ms": length(kernels) * ms,
         "d2h_ms": length(copies["DtoH"]) * ms,
@@ -109,14 +122,15 @@ def child(args):
     import numpy as np
     import torch
 
-    cap = 0.0 if args.variant == "incore" else args.cap_gib
+    variant = args.variant.split("+", 1)[0]
+    cap = 0.0 if variant == "incore" else args.cap_gib
     if torch.cuda.is_available():
         gpu_swap.setup("torch", cap)
     model = gpu_swap.build(args.model)
     callbacks = []
-    if args.variant != "incore":
+    if variant != "incore":
         import keras_autovm
-        policy = args.variant.split(":", 1)[1] if ":" in args.variant else "auto"
+        policy = variant.split(":", 1)[1] if ":" in variant else "auto"
         callbacks.append(keras_autovm.AutoVM(budget=int(cap * GiB), policy=policy,
                                              verbose=0))
     profiled = profiling_callback(keras, torch)
@@ -181,9 +195,13 @@ def spawn(args, variant):
     command = [sys.executable, os.path.abspath(__file__), "--child",
                "--variant", variant, "--model", args.model, "--batch", str(args.batch),
                "--steps", str(args.steps), "--cap-gib", str(args.cap_gib)]
+    env = dict(os.environ)
+    setting = variant.split("+", 1)[1] if "+" in variant else None
+    if setting:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:" + ALLOCATOR[setting]
     try:
         done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=args.timeout)
+                              timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"variant": variant, "status": "timeout"}
     for line in done.stdout.splitlines():
@@ -201,6 +219,9 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=10.9)
     parser.add_argument("--policies", default="",
                         help="AutoVM policies besides auto, comma-separated")
+    parser.add_argument("--variants", default="",
+                        help="the runs, comma-separated (see above); replaces "
+                             "incore, autovm and --policies")
     parser.add_argument("--timeout", type=int, default=150)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -210,6 +231,8 @@ def main():
         return child(args)
     import gpu_swap
     variants = ["incore", "autovm"] + [f"autovm:{p}" for p in args.policies.split(",") if p]
+    if args.variants:
+        variants = args.variants.split(",")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv),
                "versions": gpu_swap.versions("torch"),

@@ -83,11 +83,35 @@ def test_weights_are_bit_identical(model_fn, policy):
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     stats = callback.report.stats
+    if policy == "keep_all":  # 1 GiB holds every output: nothing to free.
+        assert callback.plan.unchanged and stats["bytes_freed_early"] == 0
+        assert stats["steps_unchanged"] == 8
+        return
     # Outputs nobody saved are freed in the forward, under every plan.
-    assert stats["bytes_freed_early"] > 0
+    assert stats["bytes_freed_early"] > 0 and stats["steps_unchanged"] == 0
     # Each copy back was copied out first (a swapped output that only a
     # replayed segment reads is copied and not needed back).
     assert stats["bytes_to_device"] <= stats["bytes_to_host"]
+
+
+def test_keep_all_frees_outputs_where_holding_them_does_not_fit():
+    """Between the peak with every output held (the step unchanged) and the
+    peak with outputs freed early, keep-all runs under the hooks."""
+    planned = keras_autovm.plan(small_cnn(), 8, budget="1GiB", policy="keep_all",
+                                headroom=0.0)
+    held = planned.result.peak_bytes
+    freed = keras_autovm.planner.simulate(planned.graph, cost=planned.cost).peak_bytes
+    assert planned.unchanged and freed < held
+    reference = train(small_cnn)
+    callback = keras_autovm.AutoVM(budget=(freed + held) // 2, policy="keep_all",
+                                   headroom=0.0, verbose=0, apply_without_gpu=True)
+    model = train(small_cnn, [callback])
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not callback.plan.unchanged
+    assert callback.plan.result.peak_bytes <= (freed + held) // 2
+    stats = callback.report.stats
+    assert stats["bytes_freed_early"] > 0 and stats["steps_unchanged"] == 0
 
 
 def test_swapping_a_layers_own_saved_tensors():

@@ -126,6 +126,12 @@ class Mechanism:
     #: Python it can (`AutoVMWrapper.__call__`).
     calls_layers_each_step = False
 
+    #: Whether a step left unchanged holds every layer output until its
+    #: forward pass ends (Keras's functional model, run eagerly), so that a
+    #: plan keeping everything may run it unchanged where that fits
+    #: (`planner.CostModel.holds_outputs`, `Plan.unchanged`).
+    holds_outputs = False
+
     def out_of_memory(self, error):
         """Whether `error` is the device running out of memory at a point a
         training step can be run again from: no weight or optimizer state

@@ -48,6 +48,11 @@ class CostModel:
             then hold everything the chain's ops save until each op's
             backward), rather than one tensor at a time as it is needed
             (XLA). Defaults to `False`.
+        holds_outputs: whether a step the plan leaves unchanged holds every
+            layer output until the forward pass ends (Keras's functional
+            model on an eager backend), so that freeing outputs earlier
+            takes the mechanism's hooks. `keep_all` then plans the step
+            unchanged where that fits. Defaults to `False`.
     """
 
     flops_per_s: float = 40e12
@@ -60,6 +65,7 @@ class CostModel:
     max_in_flight_bytes: float = None
     link_measured: bool = False
     replay_segments: bool = False
+    holds_outputs: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "mem_bytes_per_s", "d2h_bytes_per_s",

@@ -71,6 +71,9 @@ class Plan:
         memory_scale: how much more memory than predicted plans were
             measured to use; the limit is the budget less the headroom,
             divided by it. Defaults to `1.0`.
+        unchanged: whether the step runs as the framework runs it, with no
+            hook of AutoVM's (a `keep_all` plan that fits holding every
+            layer output, `CostModel.holds_outputs`). Defaults to `False`.
     """
 
     graph: object
@@ -85,6 +88,7 @@ class Plan:
     device_budget: int = None
     headroom: float = None
     memory_scale: float = 1.0
+    unchanged: bool = False
 
     @property
     def fits(self):
@@ -175,6 +179,7 @@ class Plan:
             "memory_scale": self.memory_scale,
             "limit_bytes": self.budget,
             "fits": self.fits,
+            "unchanged": self.unchanged,
             "calibrated": self.calibrated,
             "counts": self.counts(),
             "tensors": [

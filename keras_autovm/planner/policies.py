@@ -17,8 +17,27 @@ MAX_PREFETCH_AHEAD = 4
 
 
 def keep_all(graph, cost, budget):
-    """Keeps every tensor on the device (the in-core baseline)."""
-    return _finish(graph, cost, budget, "keep_all", {})
+    """Keeps every tensor on the device (the in-core baseline).
+
+    Where the backend holds layer outputs through the forward pass
+    (`cost.holds_outputs`) and that fits the budget, the step is left as the
+    framework runs it (`Plan.unchanged`): nothing to free, so no hooks and
+    none of their per-tensor cost. Otherwise outputs are freed after their
+    last forward reader.
+    """
+    plan = _finish(graph, cost, budget, "keep_all", {})
+    if not cost.holds_outputs:
+        return plan
+    held = simulate(graph, plan.actions, None, cost, hold_outputs=True)
+    if budget is not None and held.peak_bytes > budget:
+        plan.notes.append("Layer outputs are freed after their last forward reader: "
+                          "held to the end of the forward pass, as the framework "
+                          "holds them, they would not fit.")
+        return plan
+    plan.result, plan.unchanged = held, True
+    plan.notes.append("The step runs unchanged: it fits holding every layer output "
+                      "to the end of the forward pass, as the framework does.")
+    return plan
 
 
 def offload_all(graph, cost, budget):

@@ -31,6 +31,9 @@ buffers and the workspace of the running op:
   allocated above the larger of the memory before and after it, so in
   backward the memory while it runs is that larger figure plus the
   workspace.
+- With `hold_outputs`, every layer output lives at least until the forward
+  pass ends: an eager functional model run unchanged holds them all (its
+  dict of outputs), so that is the peak of a step AutoVM leaves alone.
 - With `cost.replay_segments`, a recomputed tensor is made again with the
   whole chain of ops linked by recomputed tensors (what torch and
   TensorFlow checkpointing do), its last op included, each tensor living
@@ -95,7 +98,7 @@ class SimResult:
     d2h_wait_time: float = 0.0
 
 
-def simulate(graph, actions=None, prefetch=None, cost=None):
+def simulate(graph, actions=None, prefetch=None, cost=None, hold_outputs=False):
     """Simulates one training step of `graph` under a plan.
 
     Args:
@@ -107,18 +110,24 @@ def simulate(graph, actions=None, prefetch=None, cost=None):
             tensors are prefetched one op ahead of their first backward use.
             Defaults to `None`.
         cost: a `CostModel`. Defaults to `CostModel()`.
+        hold_outputs: whether layer outputs (not what layers save inside)
+            live until the forward pass ends. Defaults to `False`.
 
     Returns:
         A `SimResult`.
     """
     actions = dict(actions or {})
+    if hold_outputs and any(a != "keep" for a in actions.values()):
+        raise ValueError(
+            "Argument `hold_outputs` models a step run unchanged, which keeps "
+            f"every tensor; received actions that do not: {actions!r}")
     cost = cost or CostModel()
     ix = index(graph)
     check_actions(ix, actions)
     sched = schedule(ix, actions, cost.replay_segments)
     triggers = _triggers(ix, sched, actions, prefetch or {})
     streams = _run(ix, graph, sched, actions, triggers, cost)
-    events = _memory_events(ix, graph, sched, streams, actions)
+    events = _memory_events(ix, graph, sched, streams, actions, hold_outputs)
     return _result(graph, ix, sched, streams, events, actions)
 
 
@@ -209,7 +218,7 @@ def _wait(now, names, h2d, stalls):
     return start
 
 
-def _memory_events(ix, graph, sched, st, actions):
+def _memory_events(ix, graph, sched, st, actions, hold_outputs=False):
     """Allocations and frees as sorted `(time, rank, delta, key)` tuples.
 
     `rank` breaks ties at equal times in stream order, so that zero-length
@@ -239,6 +248,8 @@ def _memory_events(ix, graph, sched, st, actions):
 
     for name, nbytes in ix.nbytes.items():
         born, last_fwd = start(ix.producer[name]), end(ix.last_fwd[name])
+        if hold_outputs and not ix.spec[name].internal:
+            last_fwd = end(ix.n - 1)
         uses = sched.uses.get(name)
         action = actions.get(name, "keep")
         if action == "keep":

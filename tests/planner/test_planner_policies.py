@@ -207,3 +207,18 @@ def test_auto_on_500_ops_is_fast_enough():
     assert min(rounds) < 6.0
     assert plan.fits
     assert math.isfinite(plan.result.step_time)
+
+
+@pytest.mark.parametrize("budget, unchanged, peak", [
+    (None, True, 121), (121, True, 121), (120, False, 110), (110, False, 110)])
+def test_keep_all_leaves_the_step_unchanged_where_holding_outputs_fits(
+        budget, unchanged, peak):
+    from test_planner_simulate import early_free_graph
+    cost = CostModel(holds_outputs=True)
+    plan = make_plan(early_free_graph(), budget, policy="keep_all", cost=cost)
+    assert (plan.unchanged, plan.result.peak_bytes) == (unchanged, peak)
+    assert plan.to_dict()["unchanged"] is unchanged
+    assert ("runs unchanged" in plan.notes[-1]) is unchanged
+    # A backend whose step frees outputs itself is never "unchanged".
+    plain = make_plan(early_free_graph(), budget, policy="keep_all")
+    assert (plain.unchanged, plain.result.peak_bytes) == (False, 110)

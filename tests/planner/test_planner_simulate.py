@@ -338,3 +338,30 @@ def test_replayed_chain_brings_back_everything_it_saves_at_once():
     bwd_o2 = next(e for e in replay.op_events if e.op == "o2" and e.phase == "bwd")
     assert memory_at(replay, bwd_o2.start) == 2000 + 100 + 10 + 1000 + 10
     assert replay.peak_bytes == lazy.peak_bytes + 1000
+
+
+def early_free_graph():
+    # t0 is read in the forward only (o1 saves its output, not its input):
+    # freed after o1 unless every output is held to the end of the forward.
+    ops = tuple(op(f"o{i}") for i in range(4))
+    tensors = (tensor("t0", 100, "o0", ["o1"]), tensor("t1", 10, "o1", ["o2"], ["o2"]),
+               tensor("t2", 10, "o2", ["o3"], ["o3"]), tensor("t3", 1, "o3"))
+    return Graph(ops, tensors)
+
+
+def test_held_outputs_live_to_the_end_of_the_forward():
+    freed = simulate(early_free_graph())
+    held = simulate(early_free_graph(), hold_outputs=True)
+    # Freed: fwd o1 [1,2] holds t0+t1; at 4, bwd o3 t1+t2 + g(t3)+g(t2)
+    # (the output t3 has no reader left).
+    assert (freed.peak_bytes, memory_at(freed, 4.0)) == (110, 31)
+    # Held: fwd o3 [3,4] holds t0..t3 = 121; t0 goes at 4, before bwd o3.
+    assert (held.peak_bytes, held.peak_time) == (121, 3.0)
+    assert memory_at(held, 4.0) == 31
+    assert held.step_time == freed.step_time
+
+
+def test_held_outputs_model_a_step_that_keeps_everything():
+    with pytest.raises(ValueError, match="hold_outputs"):
+        simulate(early_free_graph(), {"t0": "swap"}, hold_outputs=True)
+    assert simulate(early_free_graph(), {"t0": "keep"}, hold_outputs=True).peak_bytes == 121

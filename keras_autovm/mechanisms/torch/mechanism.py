@@ -36,10 +36,11 @@ class TorchMechanism(Mechanism):
     default_headroom = 0.05
     reruns_steps = True  # Eager: a step that ran out of memory can run again.
     calls_layers_each_step = True
+    holds_outputs = True
 
     def __init__(self):
         super().__init__()
-        self.stats = {"bytes_to_host": 0, "bytes_to_device": 0,
+        self.stats = {"steps_unchanged": 0, "bytes_to_host": 0, "bytes_to_device": 0,
                       "bytes_freed_early": 0, "swaps_skipped": 0,
                       "copy_backs_prefetched": 0, "copy_backs_at_use": 0}
         self._layouts = {}  # AppliedPlan -> swap.Layout
@@ -128,7 +129,16 @@ class TorchMechanism(Mechanism):
         def call_with_hooks(inputs, *args, **kwargs):
             if not kwargs.get("training"):
                 return call(inputs, *args, **kwargs)
-            self._step = self._new_step(runtime.plan_for_inputs(inputs), model, inputs)
+            applied = runtime.plan_for_inputs(inputs)
+            if applied is None or applied.plan.unchanged:
+                # Nothing to free or copy: no hooks, and the wrappers step
+                # aside. On an H100, ResNet-152 at batch 64 kept all under
+                # the hooks at 0.68x in-core; unchanged, 1.06x over nine
+                # interleaved rounds (results/torch/overhead/).
+                self.stats["steps_unchanged"] += 1
+                with runtime.stepping_aside():
+                    return call(inputs, *args, **kwargs)
+            self._step = self._new_step(applied, model, inputs)
             self._last_step = weakref.ref(self._step)
             hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack,
                                                              self._step.unpack)
