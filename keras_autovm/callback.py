@@ -295,6 +295,7 @@ class AutoVM(keras.callbacks.Callback):
         if new.actions != plan.actions:
             patches_lib.retrace(self._target, self._patches)
             return True
+        self._mechanism.keep_traced(plan, new)
         return False
 
     def on_train_end(self, logs=None):

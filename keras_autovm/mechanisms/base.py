@@ -203,6 +203,11 @@ class Mechanism:
         outputs. The default passes them through."""
         return outputs
 
+    def keep_traced(self, old, new):
+        """A replan kept `old`'s actions, so a traced step is not traced
+        again: what was decided while tracing it under plan `old` holds for
+        plan `new`. The default decides nothing while tracing."""
+
     # ------------------------------------------------- changes for one fit
 
     def install(self, model, runtime, patches):
