@@ -292,10 +292,12 @@ class AutoVM(keras.callbacks.Callback):
             self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
             return False
         self._runtime.replace(new)
-        if new.actions != plan.actions:
+        self._mechanism.keep_traced(plan, new)
+        # A step that ran unchanged and now runs under AutoVM (or back) is
+        # a new plan too, though every tensor is still kept.
+        if new.actions != plan.actions or new.unchanged != plan.unchanged:
             patches_lib.retrace(self._target, self._patches)
             return True
-        self._mechanism.keep_traced(plan, new)
         return False
 
     def on_train_end(self, logs=None):

@@ -54,11 +54,11 @@ class Runtime:
     def stepping_aside(self):
         """While a mechanism runs a step unchanged (`Plan.unchanged`): the
         wrappers call their layers directly, as if they were not there."""
-        self.aside = True
+        before, self.aside = self.aside, True
         try:
             yield
         finally:
-            self.aside = False
+            self.aside = before
 
     def replace(self, plan):
         """Applies `plan` from now on; other batch sizes are planned anew."""

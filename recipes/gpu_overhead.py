@@ -184,7 +184,7 @@ def main():
         print(f"{run['model']}: AutoVM {run['throughput_ratio']:.3f}x in-core "
               f"(rounds {', '.join(f'{r:.3f}' for r in run['throughput_ratio_per_round'])}); "
               f"median steps {run['median_step_ms']}; plan {run.get('chosen')} "
-              f"{run['counts']}, {run['stats'].get('steps_unchanged')} steps unchanged"
+              f"{run['counts']}, unchanged steps {run['stats'].get('unchanged_steps')}"
               + peak_line(run), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

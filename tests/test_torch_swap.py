@@ -85,10 +85,10 @@ def test_weights_are_bit_identical(model_fn, policy):
     stats = callback.report.stats
     if policy == "keep_all":  # 1 GiB holds every output: nothing to free.
         assert callback.plan.unchanged and stats["bytes_freed_early"] == 0
-        assert stats["steps_unchanged"] == 8
+        assert stats["unchanged_steps"] == 8
         return
     # Outputs nobody saved are freed in the forward, under every plan.
-    assert stats["bytes_freed_early"] > 0 and stats["steps_unchanged"] == 0
+    assert stats["bytes_freed_early"] > 0 and stats["unchanged_steps"] == 0
     # Each copy back was copied out first (a swapped output that only a
     # replayed segment reads is copied and not needed back).
     assert stats["bytes_to_device"] <= stats["bytes_to_host"]
@@ -111,7 +111,29 @@ def test_keep_all_frees_outputs_where_holding_them_does_not_fit():
     assert not callback.plan.unchanged
     assert callback.plan.result.peak_bytes <= (freed + held) // 2
     stats = callback.report.stats
-    assert stats["bytes_freed_early"] > 0 and stats["steps_unchanged"] == 0
+    assert stats["bytes_freed_early"] > 0 and stats["unchanged_steps"] == 0
+
+
+def test_a_step_that_ran_unchanged_and_now_runs_under_the_hooks_is_a_replan(monkeypatch):
+    planned = keras_autovm.plan(small_cnn(), 8, budget="1GiB", policy="keep_all",
+                                headroom=0.0)
+    callback = keras_autovm.AutoVM(budget=int(planned.result.peak_bytes * 1.05),
+                                   policy="keep_all", headroom=0.0, verbose=0,
+                                   apply_without_gpu=True)
+    cls = type(keras_autovm.mechanisms.get())
+    monkeypatch.setattr(cls, "reset_peak", lambda self: True)
+    # Measured 10% over the plan: holding every output no longer fits.
+    monkeypatch.setattr(cls, "peak_memory", lambda self: int(
+        callback.plan.result.peak_bytes * 1.1))
+    reference = train(small_cnn)
+    model = train(small_cnn, [callback])
+    first, second = callback.report.epochs
+    assert first["replanned"] and not second.get("replanned")
+    assert not callback.plan.unchanged and callback.plan.policy == "keep_all"
+    stats = callback.report.stats
+    assert stats["unchanged_steps"] == 4 and stats["bytes_freed_early"] > 0
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_swapping_a_layers_own_saved_tensors():

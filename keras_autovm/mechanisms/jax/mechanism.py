@@ -11,19 +11,25 @@ offload through the checkpoint policy (measured: no device memory saved).
 
 import dataclasses
 import functools
+import math
 import time
+import warnings
 
 import jax
 import keras
 from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
+from keras_autovm.planner import PlanError
+from keras_autovm.planner import format_bytes
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.jax import swap
 from keras_autovm.mechanisms.jax import timing
 
 # How far (in link time) the forward may run ahead of its copies to host.
 IN_FLIGHT_SECONDS = 0.05
+# Plans made again, at most, when XLA's compiled step exceeds the budget.
+MAX_CHECKS = 3
 
 
 class JaxMechanism(Mechanism):
@@ -39,7 +45,8 @@ class JaxMechanism(Mechanism):
     def __init__(self):
         super().__init__()
         self.stats = {"checkpointed_traces": 0, "unchanged_traces": 0,
-                      "unchanged_check_s": 0.0}
+                      "unchanged_check_s": 0.0, "compiled_check_s": 0.0,
+                      "compiled_replans": 0, "compiled_peak_bytes": None}
         self.stats.update(dict.fromkeys(
             ("eager_steps", "bytes_to_host", "bytes_to_device", "bytes_freed",
              "copy_backs_prefetched", "copy_backs_at_use", "in_flight_waits",
@@ -48,6 +55,7 @@ class JaxMechanism(Mechanism):
         self._eager = False  # Set by `install` when the policy may swap.
         self._step = None  # The `swap.SwapStep` of the step running.
         self._unchanged = {}  # AppliedPlan -> whether it runs unchanged.
+        self._peaks = {}  # (batch size, actions) -> XLA's peak (`_xla_peak`).
 
     def actions(self):
         return ("keep", "swap", "recompute")
@@ -177,25 +185,89 @@ class JaxMechanism(Mechanism):
                            training=False, optimizer_variables=None):
         applied = runtime.plan_for_inputs(x) if training else None
         args = (tv, ntv, mv, x, y, sw, optimizer_variables)
-        if applied is not None and self._runs_unchanged(original, runtime, applied, args):
+        if applied is None:
+            return original(tv, ntv, mv, x, y, sw, training=training,
+                            optimizer_variables=optimizer_variables)
+        if self._eager and applied.changes_anything:
+            return self._eager_loss(original, applied, tv, ntv, mv, x, y, sw,
+                                    optimizer_variables)
+        # XLA's analysis is of a compiled step: a step run without jit (its
+        # batch is concrete, not traced) holds far more (results.md).
+        compiled = isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
+        if compiled and not self._runs_unchanged(original, runtime, applied, args):
+            applied = self._checked(original, runtime, applied, args)
+        if compiled and self._runs_unchanged(original, runtime, applied, args):
             self.stats["unchanged_traces"] += 1
             with runtime.stepping_aside():
                 return original(tv, ntv, mv, x, y, sw, training=True,
                                 optimizer_variables=optimizer_variables)
-        if applied is None or not applied.changes_anything:
-            return original(tv, ntv, mv, x, y, sw, training=training,
-                            optimizer_variables=optimizer_variables)
-        if self._eager:
-            return self._eager_loss(original, applied, tv, ntv, mv, x, y, sw,
-                                    optimizer_variables)
-        self.stats["checkpointed_traces"] += 1
+        self.stats["checkpointed_traces"] += applied.changes_anything
+        return self._planned_loss(original, applied)(*args)
 
+    def _planned_loss(self, original, applied):
+        """The loss function a jitted step runs under `applied` (without
+        the unchanged case): under the plan's checkpoint policy, or, for
+        a plan that keeps everything, as it is (the layers' own
+        checkpoints, `call_layer`, apply in both)."""
         def loss(tv, ntv, mv, x, y, sw, ov):
             return original(tv, ntv, mv, x, y, sw, training=True,
                             optimizer_variables=ov)
 
-        return jax.checkpoint(loss, policy=self.checkpoint_policy(applied))(
-            tv, ntv, mv, x, y, sw, optimizer_variables)
+        if not applied.changes_anything:
+            return loss
+        return jax.checkpoint(loss, policy=self.checkpoint_policy(applied))
+
+    def _checked(self, original, runtime, applied, args):
+        """The plan to trace the step under: `applied`, or, where XLA's
+        compiled step needs more than the budget less the headroom by its
+        memory analysis, a plan made again with that gap learnt (as an
+        epoch whose measured peak was over the prediction teaches). The
+        planner's memory model is not XLA's (fusion, layouts, what XLA
+        keeps): on an H100, VGG-19 at batch 80 under a 7.92 GiB cap was
+        planned as fitting and ran out of memory. A plan no budget allows
+        raises `PlanError` here, in the first step's trace."""
+        if self._eager or not self.checks_compiled_peak():
+            return applied
+        tried = []
+        while True:
+            plan = applied.plan
+            peak = self._xla_peak(original, applied, args)
+            if peak is None or _fits(peak, plan):
+                self.stats["compiled_peak_bytes"] = peak
+                return applied
+            tried.append(plan.actions)
+            if len(tried) > MAX_CHECKS:
+                raise PlanError(
+                    f"No plan AutoVM made fits budget={format_bytes(plan.device_budget)} "
+                    f"by XLA's memory analysis of the compiled step: the last of "
+                    f"{len(tried)} ({plan.policy!r}) needs {format_bytes(peak)}, with "
+                    f"{(plan.headroom or 0) * 100:g}% headroom.",
+                    math.ceil(peak / (1 - (plan.headroom or 0))))
+            ratio = peak / max(plan.result.peak_bytes, 1)
+            runtime.warn(
+                f"AutoVM planned again: XLA's compiled step needs {format_bytes(peak)} "
+                f"by its memory analysis, {ratio:.2f}x the plan's "
+                f"{format_bytes(plan.result.peak_bytes)}, over the budget less headroom.")
+            self.stats["compiled_replans"] += 1
+            runtime.plans.memory_scale = max(runtime.plans.memory_scale, ratio)
+            runtime.replace(runtime.plans.plan(plan.graph.batch_size))
+            applied = runtime.plan_for_inputs(args[3])
+
+    def _xla_peak(self, original, applied, args):
+        """XLA's peak for the jitted step under `applied`, compiled once per
+        batch size and actions (a replan may make the same plan again)."""
+        key = (applied.plan.graph.batch_size, frozenset(applied.actions.items()))
+        if key not in self._peaks:
+            start = time.perf_counter()
+            self._peaks[key] = compiled_peak(self._planned_loss(original, applied), args)
+            self.stats["compiled_check_s"] += time.perf_counter() - start
+        return self._peaks[key]
+
+    def checks_compiled_peak(self):
+        """Whether plans are checked against XLA's memory analysis of the
+        compiled step (`_checked`): on a GPU, where XLA's memory is the
+        device's. The analysis compiles the step once more."""
+        return self.gpu_available()
 
     def _runs_unchanged(self, original, runtime, applied, args):
         """Whether a keep-all plan runs as Keras runs it: where XLA's own
@@ -206,7 +278,7 @@ class JaxMechanism(Mechanism):
         VGG-19 7% of its step. Decided once per plan, while the step is
         traced; the plan then carries XLA's peak."""
         plan = applied.plan
-        if plan.policy != "keep_all" or applied.changes_anything or self._eager:
+        if applied.changes_anything or self._eager:
             return False
         if plan.unchanged:  # Decided under the plan it replaced (`keep_traced`).
             self._unchanged[applied] = True
@@ -219,22 +291,19 @@ class JaxMechanism(Mechanism):
                                     optimizer_variables=ov)
 
             peak = compiled_peak(unchanged, args)
-            fits = peak is not None and (plan.budget is None or peak <= plan.budget)
-            self.stats["unchanged_check_s"] = time.perf_counter() - start
+            fits = peak is not None and _fits(peak, plan)
+            self.stats["unchanged_check_s"] += time.perf_counter() - start
             self._unchanged[applied] = fits
             if fits:
-                plan.unchanged = True
-                plan.result = dataclasses.replace(plan.result, peak_bytes=peak)
-                plan.notes.append(
-                    "The step runs unchanged: XLA's compiled step needs "
-                    f"{peak / 2**30:.2f} GiB by its memory analysis, within the limit.")
+                _run_unchanged(plan, peak)
         return self._unchanged[applied]
 
     def keep_traced(self, old, new):
-        if old.unchanged:
-            new.unchanged = True
-            new.result = dataclasses.replace(new.result, peak_bytes=old.result.peak_bytes)
-            new.notes.append(old.notes[-1])
+        """An unchanged step stays so while XLA's peak fits the new plan
+        (the callback retraces where `unchanged` differs)."""
+        peak = old.result.peak_bytes
+        if old.unchanged and new.actions == old.actions and _fits(peak, new):
+            _run_unchanged(new, peak)
 
     def _eager_loss(self, original, applied, tv, ntv, mv, x, y, sw, ov):
         """The forward of one eager swap step; its backward follows, in
@@ -255,6 +324,21 @@ class JaxMechanism(Mechanism):
             self._step = None
 
 
+def _run_unchanged(plan, peak):
+    """Marks `plan` as running Keras's own step, whose peak is XLA's `peak`.
+    Only the peak changes: the plan's timeline stays the planner's."""
+    plan.unchanged = True
+    plan.result = dataclasses.replace(plan.result, peak_bytes=peak)
+    plan.notes.append(f"The step runs unchanged: XLA's compiled step needs "
+                      f"{format_bytes(peak)} by its memory analysis, within the limit.")
+
+
+def _fits(peak, plan):
+    """Whether `peak` real bytes fit the budget less the headroom: the plan's
+    limit times the memory overhead it was divided by."""
+    return plan.budget is None or peak <= plan.budget * plan.memory_scale
+
+
 def compiled_peak(fn, args):
     """Device bytes XLA's compiled `jax.value_and_grad(fn, has_aux=True)`
     needs on arrays shaped as `args`, by its memory analysis: arguments,
@@ -262,8 +346,13 @@ def compiled_peak(fn, args):
     compiler gives no analysis. May be called while another function is
     traced (the arrays are then tracers)."""
     specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    analysis = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(*specs).compile()
-    memory = analysis.memory_analysis()
+    try:
+        analysis = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(*specs).compile()
+        memory = analysis.memory_analysis()
+    except Exception as error:  # Whatever it is, the step itself may still run.
+        warnings.warn(f"AutoVM could not read XLA's memory analysis of the step, so "
+                      f"it plans without it: {type(error).__name__}: {error}", stacklevel=2)
+        return None
     if memory is None:
         return None
     return (memory.argument_size_in_bytes + memory.output_size_in_bytes

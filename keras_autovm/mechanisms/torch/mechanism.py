@@ -40,7 +40,7 @@ class TorchMechanism(Mechanism):
 
     def __init__(self):
         super().__init__()
-        self.stats = {"steps_unchanged": 0, "bytes_to_host": 0, "bytes_to_device": 0,
+        self.stats = {"unchanged_steps": 0, "bytes_to_host": 0, "bytes_to_device": 0,
                       "bytes_freed_early": 0, "swaps_skipped": 0,
                       "copy_backs_prefetched": 0, "copy_backs_at_use": 0}
         self._layouts = {}  # AppliedPlan -> swap.Layout
@@ -133,9 +133,11 @@ class TorchMechanism(Mechanism):
             if applied is None or applied.plan.unchanged:
                 # Nothing to free or copy: no hooks, and the wrappers step
                 # aside. On an H100, ResNet-152 at batch 64 kept all under
-                # the hooks at 0.68x in-core; unchanged, 1.06x over nine
-                # interleaved rounds (results/torch/overhead/).
-                self.stats["steps_unchanged"] += 1
+                # the hooks at 0.68x in-core; unchanged, 0.95x and 1.06x in
+                # two interleaved runs (rounds from 0.78x to 1.42x: its
+                # step is bound by Python; results/torch/overhead/).
+                self.stats["unchanged_steps"] += 1
+                self._last_step = None  # Nothing of this step to abandon.
                 with runtime.stepping_aside():
                     return call(inputs, *args, **kwargs)
             self._step = self._new_step(applied, model, inputs)
