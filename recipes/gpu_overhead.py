@@ -23,16 +23,15 @@ written beside it, less the in-core copy's variables.
 
 import argparse
 import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+import measure  # noqa: E402 -- recipes/, on the path above
 
 
 def child(args):
@@ -56,7 +55,7 @@ def child(args):
     before = {name: [] for name in models}  # Allocated as each fit starts.
     for turn in range(args.rounds):
         for name, model in models.items():
-            timer = step_timer(keras)
+            timer = measure.step_timer(keras)
             if name == "autovm" and callback is None:
                 if args.factor and gpu:
                     need = gpu_swap.peak(args.backend) - variable_bytes(models["autovm"])
@@ -80,7 +79,7 @@ def child(args):
         "incore_variable_bytes": variable_bytes(models["incore"])}
     out.update(ratios(times))
     out.update(gpu_swap.plan_facts(callback))
-    print("RESULT " + json.dumps(out), flush=True)
+    measure.report(out)
 
 
 def variable_bytes(model):
@@ -89,25 +88,6 @@ def variable_bytes(model):
     if model.optimizer is not None and model.optimizer.built:
         variables += list(model.optimizer.variables)
     return sum(int(v.numpy().nbytes) for v in variables)
-
-
-def step_timer(keras):
-    """A callback timing each training step from its start to its loss
-    read back."""
-
-    class Timer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.times = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            float(logs["loss"])
-            self.times.append(time.perf_counter() - self.start)
-
-    return Timer()
 
 
 def ratios(times):
@@ -143,16 +123,7 @@ def spawn(args, model):
                "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--factor", str(args.factor)]
     env = dict(os.environ, KERAS_BACKEND=args.backend)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"model": model, "status": "timeout"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[7:]), status="ok")
-    return {"model": model, "status": "error",
-            "log_tail": (done.stdout + done.stderr)[-3000:]}
+    return measure.run_child(command, args.timeout, env, model=model)
 
 
 def main():
@@ -186,10 +157,7 @@ def main():
               f"median steps {run['median_step_ms']}; plan {run.get('chosen')} "
               f"{run['counts']}, unchanged steps {run['stats'].get('unchanged_steps')}"
               + peak_line(run), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    measure.save(results, args.out)
 
 
 if __name__ == "__main__":

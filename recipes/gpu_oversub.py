@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import gpu_swap  # noqa: E402
+import measure  # noqa: E402
 
 GiB = 2**30
 METHODS = ("remat", "offload_all", "save_on_cpu", "autovm")
@@ -169,14 +170,12 @@ def main():
 
 
 def save(results, out):
+    """The results, then their plot beside them (named in the results)."""
     if not out:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    measure.save(results, out)
     results["plot"] = plot(results, out[:-5] + ".png" if out.endswith(".json") else out + ".png")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    measure.save(results, out)
 
 
 if __name__ == "__main__":

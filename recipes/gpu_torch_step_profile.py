@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+import measure  # noqa: E402 -- recipes/, on the path above
 os.environ.setdefault("KERAS_BACKEND", "torch")
 GiB = 2**30
 ALLOCATOR = {"expandable": "True", "fixed": "False"}
@@ -147,7 +148,7 @@ def child(args):
            if torch.cuda.is_available() else None}
     if callbacks:
         out.update(gpu_swap.plan_facts(callbacks[0]))
-    print("RESULT " + json.dumps(out), flush=True)
+    measure.report(out)
 
 
 def profiling_callback(keras, torch):
@@ -199,16 +200,7 @@ def spawn(args, variant):
     setting = variant.split("+", 1)[1] if "+" in variant else None
     if setting:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:" + ALLOCATOR[setting]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"variant": variant, "status": "timeout"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[7:]), status="ok")
-    return {"variant": variant, "status": "error",
-            "log_tail": (done.stdout + done.stderr)[-3000:]}
+    return measure.run_child(command, args.timeout, env, variant=variant)
 
 
 def main():
@@ -243,10 +235,7 @@ def main():
               + " ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float))
               + (f" | plan {run['predicted_step_s'] * 1e3:.1f} ms {run['counts']}"
                  if "counts" in run else ""), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    measure.save(results, args.out)
 
 
 if __name__ == "__main__":

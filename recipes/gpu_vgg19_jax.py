@@ -27,6 +27,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # The repository root: keras_autovm.
+sys.path.insert(0, HERE)
+
+import measure  # noqa: E402 -- recipes/, on the path above
 
 
 def run_variant(name, batch, steps, budget):
@@ -49,7 +52,7 @@ def run_variant(name, batch, steps, budget):
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(0).normal(size=(batch * steps, 224, 224, 3)).astype("float32")
     y = np.random.default_rng(1).integers(0, 1000, batch * steps)
-    timer = StepTimer()
+    timer = measure.step_timer(keras)
     callbacks = [timer]
     autovm = None
     if name == "autovm_capped":
@@ -106,24 +109,6 @@ def equivalence():
             "stats": callback.report.stats}
 
 
-class StepTimer:
-    """Times the training steps of the last epoch (a Keras callback)."""
-
-    def __new__(cls):
-        import keras
-
-        class _Timer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.times = []
-
-            def on_train_batch_begin(self, batch, logs=None):
-                self.start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                float(logs["loss"])
-                self.times.append(time.perf_counter() - self.start)
-
-        return _Timer()
 
 
 def child(args):

@@ -1,0 +1,60 @@
+"""What the GPU recipes share: a measurement run in its own process (nothing
+of an earlier run stays on the device), and a per-step timer."""
+
+import json
+import os
+import subprocess
+import time
+
+RESULT = "RESULT "
+
+
+def report(result):
+    """Prints a child's result as the one line `run_child` reads."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def run_child(command, timeout, env=None, **identity):
+    """Runs `command` and returns the dict its `RESULT` line carries, with
+    `status="ok"`; else `identity` with the status (`"timeout"`, or
+    `"error"` and the tail of its output)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(identity, status="timeout")
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return dict(json.loads(line[len(RESULT):]), status="ok")
+    return dict(identity, status="error", log_tail=(done.stdout + done.stderr)[-3000:])
+
+
+def step_timer(keras):
+    """A callback timing each training step of the last epoch, from its
+    start to its loss read back (which waits for the device)."""
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])
+            self.times.append(time.perf_counter() - self.start)
+
+    return Timer()
+
+
+def save(results, out):
+    """Writes `results` as JSON to `out` (a path, or `None`: nothing)."""
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
