@@ -104,3 +104,27 @@ def test_plans_are_not_checked_without_a_gpu():
     train([first])
     assert first.report.stats["compiled_check_s"] == 0
     assert first.report.stats["compiled_peak_bytes"] is None
+
+
+def test_an_unchanged_step_stays_unchanged_across_a_replan(monkeypatch):
+    """A replan that keeps the actions does not retrace: the plan that
+    replaces an unchanged one says so, with XLA's peak."""
+    from keras_autovm.mechanisms.jax import mechanism
+    carried = []
+    keep_traced = mechanism.JaxMechanism.keep_traced
+
+    def record(self, old, new):
+        keep_traced(self, old, new)
+        carried.append((old, new))
+
+    monkeypatch.setattr(mechanism.JaxMechanism, "keep_traced", record)
+    # Default device figures: the predicted step is far off the measured
+    # one, so the first epoch replans.
+    callback = keras_autovm.AutoVM(budget="1GiB", policy="keep_all", headroom=0.0,
+                                   verbose=0, apply_without_gpu=True, profile=None)
+    train([callback])
+    old, new = carried[0]
+    assert old.unchanged and new.unchanged and new is not old
+    assert new.result.peak_bytes == old.result.peak_bytes
+    assert callback.report.stats["unchanged_traces"] == 1  # Not traced again.
+    assert not any(e.get("replanned") for e in callback.report.epochs)

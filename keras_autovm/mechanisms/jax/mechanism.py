@@ -259,7 +259,7 @@ class JaxMechanism(Mechanism):
         key = (applied.plan.graph.batch_size, frozenset(applied.actions.items()))
         if key not in self._peaks:
             start = time.perf_counter()
-            self._peaks[key] = compiled_peak(self._planned_loss(original, applied), args)
+            self._peaks[key] = _compiled_peak(self._planned_loss(original, applied), args)
             self.stats["compiled_check_s"] += time.perf_counter() - start
         return self._peaks[key]
 
@@ -290,7 +290,7 @@ class JaxMechanism(Mechanism):
                     return original(tv, ntv, mv, x, y, sw, training=True,
                                     optimizer_variables=ov)
 
-            peak = compiled_peak(unchanged, args)
+            peak = _compiled_peak(unchanged, args)
             fits = peak is not None and _fits(peak, plan)
             self.stats["unchanged_check_s"] += time.perf_counter() - start
             self._unchanged[applied] = fits
@@ -339,7 +339,7 @@ def _fits(peak, plan):
     return plan.budget is None or peak <= plan.budget * plan.memory_scale
 
 
-def compiled_peak(fn, args):
+def _compiled_peak(fn, args):
     """Device bytes XLA's compiled `jax.value_and_grad(fn, has_aux=True)`
     needs on arrays shaped as `args`, by its memory analysis: arguments,
     outputs not aliased to them, and temporaries; `None` where the
