@@ -9,20 +9,17 @@ training step runs without jit and swaps by explicit host copies
 offload through the checkpoint policy (measured: no device memory saved).
 """
 
-import dataclasses
 import functools
-import math
 import time
-import warnings
 
 import jax
 import keras
 from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
-from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.jax import compiled
 from keras_autovm.mechanisms.jax import swap
 from keras_autovm.mechanisms.jax import timing
 
@@ -232,17 +229,12 @@ class JaxMechanism(Mechanism):
         while True:
             plan = applied.plan
             peak = self._xla_peak(original, applied, args)
-            if peak is None or _fits(peak, plan):
+            if peak is None or compiled.fits(peak, plan):
                 self.stats["compiled_peak_bytes"] = peak
                 return applied
             tried.append(plan.actions)
             if len(tried) > MAX_CHECKS:
-                raise PlanError(
-                    f"No plan AutoVM made fits budget={format_bytes(plan.device_budget)} "
-                    f"by XLA's memory analysis of the compiled step: the last of "
-                    f"{len(tried)} ({plan.policy!r}) needs {format_bytes(peak)}, with "
-                    f"{(plan.headroom or 0) * 100:g}% headroom.",
-                    math.ceil(peak / (1 - (plan.headroom or 0))))
+                raise compiled.no_plan_fits(plan, peak, len(tried))
             ratio = peak / max(plan.result.peak_bytes, 1)
             runtime.warn(
                 f"AutoVM planned again: XLA's compiled step needs {format_bytes(peak)} "
@@ -259,7 +251,7 @@ class JaxMechanism(Mechanism):
         key = (applied.plan.graph.batch_size, frozenset(applied.actions.items()))
         if key not in self._peaks:
             start = time.perf_counter()
-            self._peaks[key] = _compiled_peak(self._planned_loss(original, applied), args)
+            self._peaks[key] = compiled.peak(self._planned_loss(original, applied), args)
             self.stats["compiled_check_s"] += time.perf_counter() - start
         return self._peaks[key]
 
@@ -290,20 +282,20 @@ class JaxMechanism(Mechanism):
                     return original(tv, ntv, mv, x, y, sw, training=True,
                                     optimizer_variables=ov)
 
-            peak = _compiled_peak(unchanged, args)
-            fits = peak is not None and _fits(peak, plan)
+            peak = compiled.peak(unchanged, args)
+            fits = peak is not None and compiled.fits(peak, plan)
             self.stats["unchanged_check_s"] += time.perf_counter() - start
             self._unchanged[applied] = fits
             if fits:
-                _run_unchanged(plan, peak)
+                compiled.run_unchanged(plan, peak)
         return self._unchanged[applied]
 
     def keep_traced(self, old, new):
         """An unchanged step stays so while XLA's peak fits the new plan
         (the callback retraces where `unchanged` differs)."""
         peak = old.result.peak_bytes
-        if old.unchanged and new.actions == old.actions and _fits(peak, new):
-            _run_unchanged(new, peak)
+        if old.unchanged and new.actions == old.actions and compiled.fits(peak, new):
+            compiled.run_unchanged(new, peak)
 
     def _eager_loss(self, original, applied, tv, ntv, mv, x, y, sw, ov):
         """The forward of one eager swap step; its backward follows, in
@@ -322,41 +314,6 @@ class JaxMechanism(Mechanism):
         finally:
             self.stats["swaps_kept_on_device"] += self._step.kept_on_device()
             self._step = None
-
-
-def _run_unchanged(plan, peak):
-    """Marks `plan` as running Keras's own step, whose peak is XLA's `peak`.
-    Only the peak changes: the plan's timeline stays the planner's."""
-    plan.unchanged = True
-    plan.result = dataclasses.replace(plan.result, peak_bytes=peak)
-    plan.notes.append(f"The step runs unchanged: XLA's compiled step needs "
-                      f"{format_bytes(peak)} by its memory analysis, within the limit.")
-
-
-def _fits(peak, plan):
-    """Whether `peak` real bytes fit the budget less the headroom: the plan's
-    limit times the memory overhead it was divided by."""
-    return plan.budget is None or peak <= plan.budget * plan.memory_scale
-
-
-def _compiled_peak(fn, args):
-    """Device bytes XLA's compiled `jax.value_and_grad(fn, has_aux=True)`
-    needs on arrays shaped as `args`, by its memory analysis: arguments,
-    outputs not aliased to them, and temporaries; `None` where the
-    compiler gives no analysis. May be called while another function is
-    traced (the arrays are then tracers)."""
-    specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    try:
-        analysis = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(*specs).compile()
-        memory = analysis.memory_analysis()
-    except Exception as error:  # Whatever it is, the step itself may still run.
-        warnings.warn(f"AutoVM could not read XLA's memory analysis of the step, so "
-                      f"it plans without it: {type(error).__name__}: {error}", stacklevel=2)
-        return None
-    if memory is None:
-        return None
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
 
 
 def _rebuild(layer, structure, leaves, found, kwargs):
