@@ -72,8 +72,10 @@ class Plan:
             measured to use; the limit is the budget less the headroom,
             divided by it. Defaults to `1.0`.
         unchanged: whether the step runs as the framework runs it, with no
-            hook of AutoVM's (a `keep_all` plan that fits holding every
-            layer output, `CostModel.holds_outputs`). Defaults to `False`.
+            hook of AutoVM's: a `keep_all` plan that fits holding every
+            layer output (`CostModel.holds_outputs`: torch), or, on JAX, a
+            plan keeping everything whose compiled step fits by XLA's memory
+            analysis (set when the step is traced). Defaults to `False`.
     """
 
     graph: object

@@ -190,10 +190,10 @@ class JaxMechanism(Mechanism):
                                     optimizer_variables)
         # XLA's analysis is of a compiled step: a step run without jit (its
         # batch is concrete, not traced) holds far more (results.md).
-        compiled = isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
-        if compiled and not self._runs_unchanged(original, runtime, applied, args):
+        jitted = isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
+        if jitted and not self._runs_unchanged(original, runtime, applied, args):
             applied = self._checked(original, runtime, applied, args)
-        if compiled and self._runs_unchanged(original, runtime, applied, args):
+        if jitted and self._runs_unchanged(original, runtime, applied, args):
             self.stats["unchanged_traces"] += 1
             with runtime.stepping_aside():
                 return original(tv, ntv, mv, x, y, sw, training=True,
