@@ -37,7 +37,9 @@ from keras_autovm.profile_cache import fingerprint
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
-_FORMAT = 1
+# 2: torch's layer times queued back to back (`queued_seconds`), not each
+# waited for; a cached profile of another format is measured again.
+_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,19 +194,15 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
     path = cache_path(mechanism.device_name(), mechanism.backend,
                       fingerprint(model), batch_size)
     names = [name for name, _ in call_names(model)]
-    if os.path.exists(path):
-        try:
-            cached = Profile.load(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = None  # A damaged cache file is measured again and replaced.
-        # A profile timed at a smaller batch (a tighter budget then) is
-        # measured again when this fit can time a larger one.
-        if (cached is not None and len(cached.layers) == len(names)
-                and cached.batch_size >= timing_batch(model, batch_size, limit_bytes)):
-            # Same architecture, in run order: take this model's op names.
-            layers = tuple(dataclasses.replace(t, name=n)
-                           for t, n in zip(cached.layers, names))
-            return dataclasses.replace(cached, layers=layers), False
+    cached = _cached(path)
+    # A profile timed at a smaller batch (a tighter budget then) is
+    # measured again when this fit can time a larger one.
+    if (cached is not None and len(cached.layers) == len(names)
+            and cached.batch_size >= timing_batch(model, batch_size, limit_bytes)):
+        # Same architecture, in run order: take this model's op names.
+        layers = tuple(dataclasses.replace(t, name=n)
+                       for t, n in zip(cached.layers, names))
+        return dataclasses.replace(cached, layers=layers), False
     timed = timing_batch(model, batch_size, limit_bytes)
     profile = measure(model, timed, mechanism, verbose=verbose)
     if 1 < timed < batch_size:
@@ -215,6 +213,19 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
         profile = profile.with_fixed_times(smaller)
     profile.save(path)
     return profile, True
+
+
+def _cached(path):
+    """The profile cached at `path`, or `None`: none there, a damaged file,
+    or one written in another format (measured again and replaced)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != _FORMAT:
+            return None
+        return Profile.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):

@@ -5,8 +5,10 @@
 
 Each variant trains in its own process: in-core without a cap, then
 `AutoVM(budget=<cap>)` under the cap (and, with `--policies`, AutoVM under
-named policies). Two epochs of `--steps` steps: the first plans and
-calibrates; the second runs under `torch.profiler` from its second step on.
+named policies). Three epochs of `--steps` steps: the first plans and
+calibrates; the second runs under `torch.profiler` from its second step on;
+a third, not profiled, splits each step into forward, backward and the rest
+(the device synchronized around the backward pass).
 From the profiler's trace, per step: the wall time (each step waits for the
 device), the time the GPU ran kernels (the union of their intervals), the
 copies to host and back (and how much of them ran while no kernel did), and
@@ -82,11 +84,13 @@ def breakdown(trace, steps, wall_s):
               for d in ("DtoH", "HtoD")}
     busy = union(kernels + copies["DtoH"] + copies["HtoD"])
     ms = 1e-3 / steps  # Trace times are microseconds.
-    # Where the CPU waited: CUDA runtime calls by total time (a cudaFree or
+    # Where the CPU waited: CUDA runtime and driver calls by total time
+    # (the allocator's expandable segments map and unmap through the
+    # driver; a cudaFree or
     # a synchronize stops the CPU from queueing work ahead of the GPU).
     runtime = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime":
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"] * ms
     # The CPU-side operators by summed time (nested ones count in their
     # callers too): what the Python of a step asks of torch.
@@ -104,8 +108,8 @@ def breakdown(trace, steps, wall_s):
         "big_copies": big,
         "d2h_without_kernels_ms": outside(copies["DtoH"], kernels) * ms,
         "h2d_without_kernels_ms": outside(copies["HtoD"], kernels) * ms,
-        "cuda_runtime_ms": dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:8]),
-        "cpu_ops_ms": dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:12]),
+        "cuda_runtime_ms": dict(sorted(runtime.items(), key=lambda kv: -kv[1])[:12]),
+        "cpu_ops_ms": dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:20]),
         "wall_ms": wall_s * 1e3 / steps,
         "kernels_ms": length(kernels) * ms,
         "d2h_ms": length(copies["DtoH"]) * ms,
@@ -138,12 +142,15 @@ def child(args):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, 224, 224, 3)).astype("float32")
     y = rng.integers(0, 1000, args.batch * args.steps)
-    model.fit(x, y, batch_size=args.batch, epochs=2, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=args.batch, epochs=3, shuffle=False, verbose=0,
               callbacks=callbacks + [profiled])
     out = {"variant": args.variant, "cap_gib": cap, "batch": args.batch,
            "profiled_steps": len(profiled.times),
            "step_ms": [t * 1e3 for t in profiled.times],
            "per_step": breakdown(profiled.trace, len(profiled.times), sum(profiled.times)),
+           # The third epoch, not profiled, with the device synchronized
+           # around the backward pass: (forward, backward, the rest) per step.
+           "split_ms": [[t * 1e3 for t in split] for split in profiled.splits[1:]],
            "peak_bytes": torch.cuda.max_memory_allocated()
            if torch.cuda.is_available() else None}
     if callbacks:
@@ -159,9 +166,23 @@ def profiling_callback(keras, torch):
         def __init__(self):
             super().__init__()
             self.times, self.trace, self.profiler, self.epoch = [], None, None, 0
+            self.splits, self.marks, self.backward = [], [], None
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
+            if epoch == 2:
+                self.backward = backward = torch.Tensor.backward
+                sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+                marks = self.marks
+
+                def timed_backward(tensor, *args, **kwargs):
+                    sync()
+                    marks.append(time.perf_counter())
+                    backward(tensor, *args, **kwargs)
+                    sync()
+                    marks.append(time.perf_counter())
+
+                torch.Tensor.backward = timed_backward
 
         def on_train_batch_begin(self, batch, logs=None):
             if self.epoch == 1 and batch == 1:
@@ -173,10 +194,17 @@ def profiling_callback(keras, torch):
 
         def on_train_batch_end(self, batch, logs=None):
             float(logs["loss"])  # Waits for the device.
+            if self.epoch == 2 and len(self.marks) == 2:
+                end = time.perf_counter()
+                self.splits.append((self.marks[0] - self.start, self.marks[1] - self.marks[0],
+                                    end - self.marks[1]))
+            self.marks.clear()
             if self.profiler is not None:
                 self.times.append(time.perf_counter() - self.start)
 
         def on_epoch_end(self, epoch, logs=None):
+            if self.backward is not None:
+                torch.Tensor.backward, self.backward = self.backward, None
             if self.profiler is None:
                 return
             if torch.cuda.is_available():

@@ -227,6 +227,38 @@ def test_swapped_storage_goes_back_to_the_allocator_before_its_copy_ends():
     assert step.stats["bytes_freed_early"] == 4 << 20
 
 
+def test_the_forward_waits_for_copies_over_the_in_flight_bound_and_says_how_long():
+    import time
+
+    from keras_autovm.mechanisms.torch import swap
+
+    class Layout:
+        max_in_flight = 100
+
+    class Copying:  # A copy to host that ends when waited for.
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            time.sleep(0.01)
+            self.done = True
+
+    step = swap.Step(Layout(), None, None, {"forward_wait_s": 0.0}, [])
+    first, second, third = Copying(), Copying(), Copying()
+    step.in_flight.extend([(first, 80), (second, 80), (third, 20)])
+    step._bound_in_flight()
+    # The oldest copy is waited for, until what is left is within the bound.
+    assert first.done and not second.done
+    assert [n for _, n in step.in_flight] == [80, 20]
+    assert step.stats["forward_wait_s"] >= 0.01
+    waited = step.stats["forward_wait_s"]
+    step._bound_in_flight()
+    assert step.stats["forward_wait_s"] == waited
+
+
 class _RunsOutOnce(keras.layers.Layer):
     """Raises CUDA's out-of-memory error in the first training step (batch
     size 8; AutoVM's profile runs smaller ones), after batch norm and

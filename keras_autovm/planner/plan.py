@@ -201,6 +201,7 @@ class Plan:
                 "compute_time": r.compute_time,
                 "recompute_time": r.recompute_time,
                 "stall_time": r.stall_time,
+                "d2h_wait_time": r.d2h_wait_time,
                 "d2h_bytes": r.d2h_bytes,
                 "h2d_bytes": r.h2d_bytes,
             },

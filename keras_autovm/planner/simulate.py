@@ -80,6 +80,8 @@ class SimResult:
         timeline: list of `(time_s, bytes_in_use)`, time non-decreasing.
         op_events: list of `OpEvent` in compute-stream order.
         copy_events: list of `CopyEvent`, D2H then H2D, each in stream order.
+        d2h_wait_time: the part of `stall_time` forward ops waited for
+            device-to-host copies over `cost.max_in_flight_bytes`.
     """
 
     peak_bytes: int

@@ -42,7 +42,8 @@ class TorchMechanism(Mechanism):
         super().__init__()
         self.stats = {"unchanged_steps": 0, "bytes_to_host": 0, "bytes_to_device": 0,
                       "bytes_freed_early": 0, "swaps_skipped": 0,
-                      "copy_backs_prefetched": 0, "copy_backs_at_use": 0}
+                      "copy_backs_prefetched": 0, "copy_backs_at_use": 0,
+                      "forward_wait_s": 0.0}
         self._layouts = {}  # AppliedPlan -> swap.Layout
         self._profiles = {}  # id(model) -> (model, what its layers save)
         self._pool = None

@@ -38,6 +38,7 @@ numbers.
 """
 
 import collections
+import time
 import weakref
 
 import keras
@@ -291,8 +292,14 @@ class Step:
         while self.in_flight and self.in_flight[0][0].query():
             self.in_flight.popleft()
         limit = self.layout.max_in_flight
-        while limit is not None and sum(n for _, n in self.in_flight) > limit:
+        if limit is None or sum(n for _, n in self.in_flight) <= limit:
+            return
+        # The forward waits for the link here: the stall the plan predicts
+        # as `SimResult.d2h_wait_time`.
+        start = time.perf_counter()
+        while sum(n for _, n in self.in_flight) > limit:
             self.in_flight.popleft()[0].synchronize()
+        self.stats["forward_wait_s"] += time.perf_counter() - start
 
     # ------------------------------------------------------- the backward
 
