@@ -37,9 +37,9 @@ from keras_autovm.profile_cache import fingerprint
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
-# 2: torch's layer times queued back to back (`queued_seconds`), not each
-# waited for; a cached profile of another format is measured again.
-_FORMAT = 2
+# A cached profile of another format is measured again. 2 (0fdeb5b, then
+# reverted) timed torch's layers queued back to back, not each waited for.
+_FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)

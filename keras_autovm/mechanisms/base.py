@@ -242,26 +242,6 @@ def median_seconds(run, wait, repeats):
     return statistics.median(times)
 
 
-def queued_seconds(run, wait, repeats):
-    """Mean wall time of `run()` over `repeats` runs queued back to back,
-    after one warm-up, the clock stopped once `wait(result)` says the
-    device is done with the last: about the larger of a run's host time
-    (Python, launches) and its device time, where `median_seconds`, which
-    waits after each run, measures their sum. An eager step queues each
-    layer's work while the device still runs the last's, so a layer costs
-    it the larger: on an H100, ResNet-152's layer backwards, each waited
-    for, summed to 2.1x the backward of its real step (torch, batch 64)."""
-    start = time.perf_counter()
-    wait(run())
-    if time.perf_counter() - start > LONG_RUN_S:
-        repeats = 1
-    start = time.perf_counter()
-    for _ in range(repeats - 1):
-        run()
-    wait(run())
-    return (time.perf_counter() - start) / repeats
-
-
 def call_values(operation, tv, ntv, args, kwargs):
     """Calls a layer on explicit variable values without changing it
     (`stateless_call`); a raw `keras.ops` operation has no variables."""

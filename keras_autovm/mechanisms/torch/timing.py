@@ -3,9 +3,9 @@
 A layer call runs through `stateless_call` on detached copies of its
 weights and inputs that require gradients; its backward is
 `torch.autograd.grad` of the outputs, repeated on the retained graph, so its
-time holds no forward. Each is timed with its runs queued back to back
-(`queued_seconds`), as a training step queues its layers: a layer then
-costs the larger of its host and device times, not their sum. Everything
+time holds no forward. Each run is waited for (queued back to back
+instead, the forward's times fell far below the step's forward, whose
+Python is Keras's as much as the layer's: docs/results.md). Everything
 runs under `torch.random.fork_rng`: a random layer draws from the global
 generators, which must not move.
 """
@@ -17,7 +17,6 @@ import torch
 
 from keras_autovm.mechanisms.base import call_values
 from keras_autovm.mechanisms.base import median_seconds
-from keras_autovm.mechanisms.base import queued_seconds
 from keras_autovm.mechanisms.base import variable_values
 
 # Bytes per copy when measuring the link: large enough for the copy engines
@@ -60,7 +59,7 @@ def time_call(operation, args, kwargs, repeats):
         def forward():
             return call_values(operation, tv, ntv, args, kwargs)
 
-        fwd_s = queued_seconds(forward, _wait, repeats)
+        fwd_s = median_seconds(forward, _wait, repeats)
         outputs = [x for x in keras.tree.flatten(forward())
                    if isinstance(x, torch.Tensor) and x.requires_grad]
         if not outputs or not wrt:
@@ -71,7 +70,7 @@ def time_call(operation, args, kwargs, repeats):
             return torch.autograd.grad(outputs, wrt, ones, retain_graph=True,
                                        allow_unused=True)
 
-        return fwd_s, queued_seconds(backward, _wait, repeats)
+        return fwd_s, median_seconds(backward, _wait, repeats)
 
 
 def measure_link(repeats=3):
