@@ -3,10 +3,12 @@
 The link bandwidths, from the native helper's `link_probe` when a GPU and
 the helper are there, and from the backend's own pinned copies
 (`Mechanism.measure_link`); otherwise the planner's defaults. Layer times
-are measured by `keras_autovm.profiling`.
+are measured by `keras_autovm.profiling`. Compute times are matched to
+measured steps between epochs (`scaled_to_step`).
 """
 
 import functools
+import math
 import warnings
 
 from keras_autovm import planner
@@ -69,3 +71,47 @@ def _link_probe():
         warnings.warn(f"AutoVM could not probe the GPU link, so it plans with "
                       f"default bandwidths: {error}", stacklevel=3)
         return None
+
+
+def scaled_to_step(cost, result, step, forward, tolerance):
+    """`cost` with its compute times matched to a measured `step` time
+    (seconds), where the prediction (`result`, a `SimResult`) is off by
+    `tolerance` (a ratio) or more.
+
+    Where the `forward` pass is measured apart (torch), the forward's times
+    are scaled to it alone: a layer timed alone shows its kernels but not
+    the Python an eager forward runs around it (ResNet-152 on an H100: the
+    layers' forwards summed to 0.23 s, the step's forward took 0.43 s; their
+    backwards 0.16 s against 0.13 s). The rest of the step then scales the
+    backward, unless the plan copies tensors back in it: how long that
+    backward waits for its copies is the plan's to predict, and a scale
+    learnt from it would hide the copies behind a backward that is not
+    there (docs/results.md).
+    """
+    def off(ratio):
+        return abs(math.log(ratio)) >= math.log(tolerance)
+
+    if not step:
+        return cost
+    if not forward:
+        ratio = step / max(result.step_time, 1e-12)
+        return cost.scaled(ratio) if off(ratio) else cost
+    ratio = forward / max(result.forward_time, 1e-12)
+    if off(ratio):
+        cost = cost.scaled_forward(ratio)
+    predicted_rest = result.step_time - result.forward_time
+    if result.h2d_bytes or predicted_rest <= 0:
+        return cost
+    rest = (step - forward) / predicted_rest
+    if off(rest):
+        # `time_scale` scales both phases; the forward keeps its own.
+        cost = cost.scaled(rest).scaled_forward(1 / rest)
+    return cost
+
+
+def median(values):
+    """The median of measured `values`, or `None` if there are none or
+    one of them is (not measured)."""
+    if not values or any(v is None for v in values):
+        return None
+    return sorted(values)[len(values) // 2]

@@ -9,7 +9,6 @@ plan is applied by `runtime.Runtime` and the backend's mechanism.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
@@ -155,7 +154,7 @@ class AutoVM(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
-        self._times, self._epochs, self._last = [], [], None
+        self._times, self._forwards, self._epochs, self._last = [], [], [], None
         self._summaries = None
         self._console = console_lib.Console(self.verbose)
         self._console.fit_begins(self.params)
@@ -244,6 +243,7 @@ class AutoVM(keras.callbacks.Callback):
         if logs and "loss" in logs:
             float(logs["loss"])  # Wait for the step so its time is real.
         self._times.append(time.perf_counter() - self._last)
+        self._forwards.append(self._mechanism.forward_seconds())
         self._console.batch_ended()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -251,35 +251,35 @@ class AutoVM(keras.callbacks.Callback):
             return
         self._console.epoch_ended()
         # The first step of a plan compiles; time the ones after it.
-        timed = self._times[1:1 + self.profile_steps]
-        measured = sorted(timed)[len(timed) // 2] if timed else None
+        measured = calibration.median(self._times[1:1 + self.profile_steps])
+        forward = calibration.median(self._forwards[1:1 + self.profile_steps])
         plan = self.plan
         record = report_lib.epoch_record(
             epoch, (self.params or {}).get("epochs"), plan, len(self._times),
-            measured, self._mechanism.peak_memory())
+            measured, self._mechanism.peak_memory(), forward_time=forward)
         self._epochs.append(record)
         # A peak counts only if it was reset at the start (JAX's is the
         # process's running peak, profiling included).
         peak = record["peak_bytes"] if self._peak_resets else None
-        if self._calibrate(measured, peak, plan):
+        if self._calibrate(measured, peak, plan, forward):
             record["replanned"] = True
-        self._times = []
+        self._times, self._forwards = [], []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30
         self._console.print_later(report_lib.epoch_line(record))
         if self._summaries:
             self._summaries.epoch(epoch, record, plan, self._mechanism.moved_bytes())
 
-    def _calibrate(self, measured, peak, plan):
-        """Scales compute times to the measured step time, and learns how far
-        the measured peak is over the predicted one; replans when either
-        moved, and retraces if the plan changes. A replan that fails keeps
-        the plan and what it was planned with."""
+    def _calibrate(self, measured, peak, plan, forward=None):
+        """Scales compute times to the measured step time (where the
+        forward pass is measured apart, each phase to its own), and learns
+        how far the measured peak is over the predicted one; replans when
+        either moved, and retraces if the plan changes. A replan that fails
+        keeps the plan and what it was planned with."""
         plans = self._runtime.plans
         old = plans.cost, plans.memory_scale
-        ratio = measured / max(plan.result.step_time, 1e-12) if measured else 1.0
-        if abs(math.log(ratio)) >= math.log(_REPLAN_RATIO):
-            plans.cost = plans.cost.scaled(ratio)
+        plans.cost = calibration.scaled_to_step(plans.cost, plan.result, measured,
+                                                forward, _REPLAN_RATIO)
         if peak is not None and peak > plan.result.peak_bytes * _PEAK_RATIO:
             plans.memory_scale = max(plans.memory_scale,
                                      peak / max(plan.result.peak_bytes, 1))

@@ -25,7 +25,6 @@ import keras
 
 from keras_autovm import calibration
 from keras_autovm import internals
-from keras_autovm.model_graph import build_graph
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.model_graph import layer_facts
@@ -34,12 +33,16 @@ from keras_autovm.model_graph import needs_input_shapes
 from keras_autovm.profile_cache import cache_path
 from keras_autovm.profile_cache import call_key
 from keras_autovm.profile_cache import fingerprint
+from keras_autovm.timing_batch import at_batch
+from keras_autovm.timing_batch import calls_fit
+# `timing_batch` is part of this module's API too.
+from keras_autovm.timing_batch import timing_batch
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
-# A cached profile of another format is measured again. 2 (0fdeb5b, then
-# reverted) timed torch's layers queued back to back, not each waited for.
-_FORMAT = 3
+# A cached profile of another format is measured again. 4: what the timing
+# costs a call is off torch's backward times (`timing.grad_call_s`).
+_FORMAT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,24 +169,6 @@ def _intercept(big, small, ratio):
     return min(max((small - ratio * big) / (1 - ratio), 0.0), big)
 
 
-def timing_batch(model, batch_size, limit_bytes):
-    """The batch size to time `model`'s layers at under `limit_bytes`.
-
-    The timing pass holds every layer output at once (Keras's graph runner
-    keeps them to the end), and each timed call its own backward on top, so
-    under a budget below the in-core need timing at the full batch runs out
-    of memory. Below the full batch, times are scaled linearly
-    (`Profile.apply`). `None`: no limit.
-    """
-    if limit_bytes is None:
-        return batch_size
-    graph = build_graph(model, 1)
-    per_sample = sum(t.nbytes for t in graph.tensors) or 1
-    room = limit_bytes - graph.persistent_bytes
-    # Half the room: the timed call's backward needs about as much again.
-    return int(max(1, min(batch_size, room // (2 * per_sample))))
-
-
 def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
     """The profile of `model` at `batch_size`: cached, or measured and cached.
 
@@ -204,8 +189,12 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                        for t, n in zip(cached.layers, names))
         return dataclasses.replace(cached, layers=layers), False
     timed = timing_batch(model, batch_size, limit_bytes)
-    profile = measure(model, timed, mechanism, verbose=verbose)
-    if 1 < timed < batch_size:
+    if timed < batch_size and calls_fit(model, batch_size, timed, limit_bytes):
+        # Each call alone at the training batch, the pass at a smaller one.
+        profile = measure(model, timed, mechanism, verbose=verbose, time_at=batch_size)
+    else:
+        profile = measure(model, timed, mechanism, verbose=verbose)
+    if 1 < profile.batch_size < batch_size:
         # Scaled up to the fit's batch, a layer's fixed cost (Python and
         # launch overhead) would grow with it: ResNet-152 timed at a small
         # batch and planned at 193 was predicted at 5.3x its measured step.
@@ -217,31 +206,33 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
 
 def _cached(path):
     """The profile cached at `path`, or `None`: none there, a damaged file,
-    or one written in another format (measured again and replaced)."""
+    or one of another format (each is measured again and replaced)."""
     try:
         with open(path) as f:
             data = json.load(f)
-        if data.get("format") != _FORMAT:
-            return None
-        return Profile.from_dict(data)
+        return Profile.from_dict(data) if data.get("format") == _FORMAT else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
+def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0, time_at=None):
     """Times each layer call of `model` at `batch_size`, and the link.
 
     Args:
         model: a built Sequential or functional Keras model.
-        batch_size: the batch size to time at.
+        batch_size: the batch size to run the pass at.
         mechanism: the backend's mechanism (`keras_autovm.mechanisms.get()`).
         repeats: timed runs per forward and per backward. Defaults to 3.
         verbose: show a `keras.utils.Progbar` when true. Defaults to 0.
+        time_at: the batch size to time each call at, on zeros made for it
+            (`timing_batch.calls_fit` says when that fits); `None`:
+            `batch_size`. Defaults to `None`.
 
     Returns:
         A `Profile`.
     """
     start = time.perf_counter()
+    time_at = time_at or batch_size
     names = call_names(model)
     bar = keras.utils.Progbar(len(names), unit_name="layer") if verbose else None
     if bar is not None:
@@ -258,9 +249,10 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
         name, _ = names[len(found)]
         key = keys[len(found)]
         if key not in timed:
-            timed[key] = mechanism.time_call(operation, args, kwargs, repeats)
+            timed[key] = mechanism.time_call(
+                operation, *at_batch((args, kwargs), time_at, batch_size), repeats)
         fwd_s, bwd_s = timed[key]
-        size = sum(layer_facts.nbytes(x, batch_size, name)
+        size = sum(layer_facts.nbytes(x, time_at, name)
                    for x in keras.tree.flatten(outputs) if hasattr(x, "shape"))
         found.append(LayerTime(name, fwd_s, bwd_s, int(size)))
         if bar is not None:
@@ -273,7 +265,7 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0):
     with keras.StatelessScope(state_mapping=state), mechanism.measuring():
         internals.run_calls(model, inputs, around)
     link = calibration.measure_link(mechanism)
-    return Profile(mechanism.device_name(), mechanism.backend, int(batch_size),
+    return Profile(mechanism.device_name(), mechanism.backend, int(time_at),
                    fingerprint(model), tuple(found), link,
                    time.perf_counter() - start)
 

@@ -121,7 +121,7 @@ class Report:
         return plots.layers(self.plan, self.title(), path)
 
 
-def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes):
+def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes, forward_time=None):
     """What one epoch measured against what its plan predicted.
 
     Args:
@@ -132,6 +132,8 @@ def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes):
         steps: training steps run.
         step_time: the measured median step time in seconds, or `None`.
         peak_bytes: the measured device peak, or `None`.
+        forward_time: the measured median forward pass in seconds, or
+            `None` where the backend cannot see it apart (`Mechanism.forward_seconds`).
 
     Returns:
         A JSON-serialisable dict.
@@ -141,6 +143,7 @@ def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes):
     return {"epoch": epoch + 1, "epochs": epochs, "policy": plan.policy,
             "batch_size": plan.graph.batch_size, "steps": steps,
             "step_time": step_time, "predicted_step_time": r.step_time,
+            "forward_time": forward_time, "predicted_forward_time": r.forward_time,
             "calibrated": plan.calibrated, "peak_bytes": peak_bytes,
             "predicted_peak_bytes": r.peak_bytes,
             "budget_bytes": plan.device_budget, "headroom": plan.headroom,

@@ -7,7 +7,9 @@ One process per model builds two copies of it (same seed): one trained as
 Keras trains it, one under `AutoVM()` with no budget (the whole device).
 They take turns, `--rounds` times, each turn one `fit` of `--steps` steps;
 the first turn of each (planning, compiling) and the first step of every
-`fit` are not counted. Each step is timed to the device's end (the loss is
+`fit` are not counted. With `--epochs E`, each `fit` runs E epochs and its
+last is timed: AutoVM calibrates its times after each epoch and replans,
+so its later epochs run the plan a long training would. Each step is timed to the device's end (the loss is
 read back, which Keras does after every step anyway). A step-time spread
 that moves with the machine (other processes on the host) hits both copies
 alike, so the ratio of their median steps is the figure to read, with the
@@ -65,8 +67,8 @@ def child(args):
             extra = [callback] if name == "autovm" else []
             gpu_swap.reset_peak(args.backend)
             allocated = (gpu_swap.in_use(args.backend) or (None,))[0]
-            model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-                      callbacks=extra + [timer])
+            model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False,
+                      verbose=0, callbacks=extra + [timer])
             if turn:
                 times[name].append(timer.times[1:])
                 peaks[name].append(gpu_swap.peak(args.backend))
@@ -121,7 +123,7 @@ def spawn(args, model):
     command = [sys.executable, os.path.abspath(__file__), "--child", "--backend",
                args.backend, "--model", model, "--batch", str(args.batch),
                "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--factor", str(args.factor)]
+               "--factor", str(args.factor), "--epochs", str(args.epochs)]
     env = dict(os.environ, KERAS_BACKEND=args.backend)
     return measure.run_child(command, args.timeout, env, model=model)
 
@@ -136,6 +138,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--factor", type=float, default=0.0,
                         help="AutoVM's budget: the in-core need over this; 0: none")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="epochs per fit; the last is timed (AutoVM calibrates "
+                             "after each)")
     parser.add_argument("--timeout", type=int, default=240)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

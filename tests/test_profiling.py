@@ -373,3 +373,47 @@ def test_a_cached_profile_of_another_format_is_measured_again(cache):
     with open(path) as f:
         assert json.load(f)["format"] == profiling._FORMAT
 
+
+
+def test_calls_that_fit_at_the_training_batch_are_timed_there(cache, monkeypatch):
+    from keras_autovm import timing_batch
+    from keras_autovm.model_graph import build_graph
+    model = small_cnn()
+    one = build_graph(model, 1)
+    per_sample = sum(t.nbytes for t in one.tensors)
+    # The pass holds 3 samples' outputs; one call alone at 8 fits beside it.
+    limit = one.persistent_bytes + 2 * per_sample * 3
+    timed = profiling.timing_batch(model, 8, limit)
+    assert timed == 3 and not timing_batch.calls_fit(model, 8, timed, limit)
+    # A deeper model: no one call holds a third of what the pass does.
+    model = keras.Sequential([keras.Input((16, 16, 3))] + [
+        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+    one = build_graph(model, 1)
+    roomy = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 100
+    pass_batch = profiling.timing_batch(model, 64, roomy)
+    assert pass_batch < 64 and timing_batch.calls_fit(model, 64, pass_batch, roomy)
+    mechanism = mechanisms.get()
+    shapes = []
+    real = type(mechanism).time_call
+
+    def time_call(self, operation, args, kwargs, repeats):
+        shapes.append({tuple(x.shape)[0] for x in keras.tree.flatten(args)
+                       if hasattr(x, "shape")})
+        return real(self, operation, args, kwargs, repeats)
+
+    monkeypatch.setattr(type(mechanism), "time_call", time_call)
+    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=roomy)
+    assert measured and profile.batch_size == 64
+    assert shapes and all(s == {64} for s in shapes)
+    assert all(t.fwd_fixed_s == t.bwd_fixed_s == 0 for t in profile.layers)
+    assert profile.layers[0].output_bytes == 64 * 16 * 16 * 8 * 4
+
+
+def test_inputs_made_for_a_larger_batch_keep_what_is_not_batched():
+    from keras_autovm.timing_batch import at_batch
+    x, w = keras.ops.ones((3, 5)), keras.ops.ones((4, 5))
+    args, kwargs = at_batch(((x, w), {"mask": keras.ops.ones((3,), "bool"), "n": 2}), 8, 3)
+    assert tuple(args[0].shape) == (8, 5) and args[1] is w
+    assert tuple(kwargs["mask"].shape) == (8,) and kwargs["n"] == 2
+    assert at_batch(((x,), {}), 3, 3)[0][0] is x

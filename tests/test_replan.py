@@ -91,3 +91,87 @@ def test_after_a_memory_replan_the_figures_name_the_overhead(monkeypatch, capsys
     from keras_autovm import report
     record = report.epoch_record(0, 1, plan, 4, 0.01, None)
     assert "1.50x measured overhead" in report.epoch_line(record)
+
+
+class _Result:
+    """What `scaled_to_step` reads of a plan's `SimResult`."""
+
+    def __init__(self, step_time, forward_time, h2d_bytes=0):
+        self.step_time, self.forward_time, self.h2d_bytes = step_time, forward_time, h2d_bytes
+
+
+def test_a_measured_forward_scales_the_forward_and_the_rest_the_backward():
+    from keras_autovm.calibration import scaled_to_step
+    from keras_autovm.planner import CostModel
+    cost = CostModel()
+    # No forward seen apart (JAX, TensorFlow): one scale for the step.
+    assert scaled_to_step(cost, _Result(1.0, 0.4), 2.0, None, 1.25).time_scale == 2.0
+    assert scaled_to_step(cost, _Result(1.0, 0.4), 1.1, None, 1.25) == cost
+    # The forward took twice the prediction, the rest as predicted.
+    scaled = scaled_to_step(cost, _Result(1.0, 0.4), 1.4, 0.8, 1.25)
+    assert (scaled.time_scale, scaled.fwd_scale) == (1.0, 2.0)
+    # The forward as predicted, the rest half: the backward scales.
+    scaled = scaled_to_step(cost, _Result(1.0, 0.4), 0.7, 0.4, 1.25)
+    assert scaled.time_scale == pytest.approx(0.5)
+    assert scaled.time_scale * scaled.fwd_scale == pytest.approx(1.0)
+
+
+def test_a_backward_that_copies_back_keeps_its_times():
+    from keras_autovm.calibration import scaled_to_step
+    from keras_autovm.planner import CostModel
+    # How long it waited for its copies is the plan's to predict.
+    scaled = scaled_to_step(CostModel(), _Result(1.0, 0.4, h2d_bytes=1 << 30), 2.4, 0.8,
+                            1.25)
+    assert (scaled.time_scale, scaled.fwd_scale) == (1.0, 2.0)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="only torch's eager step shows its forward apart")
+def test_torch_epochs_record_the_forward_pass_against_its_prediction():
+    callback, _ = fit_with_peak_epochs(2)
+    for record in callback.report.epochs:
+        assert 0 < record["forward_time"] < record["step_time"]
+        assert 0 < record["predicted_forward_time"] < record["predicted_step_time"]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="only torch's eager step shows its forward apart")
+def test_torch_forward_times_learn_the_measured_forward(monkeypatch):
+    cls = type(mechanisms.get())
+    seen = []
+
+    def forward_seconds(self):
+        seen.append(self._forward is not None)
+        self._forward = None
+        return callback.plan.result.forward_time * 4
+
+    monkeypatch.setattr(cls, "forward_seconds", forward_seconds)
+    callback = keras_autovm.AutoVM(budget="1GiB", verbose=0, apply_without_gpu=True,
+                                   profile=None)
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = data(64)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[callback], verbose=0)
+    assert seen and all(seen)  # Each training step's forward was marked.
+    cost = callback._runtime.plans.cost
+    assert cost.time_scale * cost.fwd_scale == pytest.approx(4.0)
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch",
+                    reason="a compiled step shows no forward apart")
+def test_compiled_epochs_record_no_forward():
+    callback, _ = fit_with_peak_epochs(1)
+    assert callback.report.epochs[0]["forward_time"] is None
+
+
+def fit_with_peak_epochs(epochs):
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    callback = keras_autovm.AutoVM(budget="1GiB", verbose=0, apply_without_gpu=True,
+                                   profile=None)
+    x, y = data(64)
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, callbacks=[callback],
+              verbose=0)
+    return callback, model

@@ -450,3 +450,17 @@ def test_expandable_segments_unless_the_user_chose():
     assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
     assert not expandable_segments(
         {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})
+
+
+def test_a_layer_backward_is_timed_less_what_the_timing_costs_a_call(monkeypatch):
+    from keras_autovm.mechanisms.torch import timing
+    assert timing.grad_call_s() > 0
+    layer = keras.layers.Dense(4)
+    x = keras.ops.ones((2, 4))
+    layer(x)
+    # Every run timed at 4 ms, the timing's own cost at 1 ms.
+    monkeypatch.setattr(timing, "median_seconds", lambda run, wait, repeats: 0.004)
+    monkeypatch.setattr(timing, "grad_call_s", lambda: 0.001)
+    assert timing.time_call(layer, (x,), {}, repeats=3) == (0.004, pytest.approx(0.003))
+    monkeypatch.setattr(timing, "grad_call_s", lambda: 0.01)
+    assert timing.time_call(layer, (x,), {}, repeats=3) == (0.004, 0.0)

@@ -117,6 +117,12 @@ class Mechanism:
         """Bytes measured moving between device and host, or `None`."""
         return None
 
+    def forward_seconds(self):
+        """How long the last training step's forward pass took, read once
+        the step is done, or `None` where the step is one compiled program
+        (JAX, TensorFlow) and its forward cannot be seen apart."""
+        return None
+
     #: Whether a training step runs eagerly, so that one that ran out of
     #: memory can be run again (`out_of_memory` says when).
     reruns_steps = False

@@ -17,7 +17,9 @@ class CostModel:
     `op_overhead_s`. Its backward time is `op.bwd_time` when given, else
     `bwd_factor` times its forward time. Every compute time is then
     multiplied by `time_scale`, which is how a measured step time calibrates
-    the model (see `scaled`). Copies take `nbytes / bandwidth`.
+    the model (see `scaled`), and forward times (recomputation included) by
+    `fwd_scale` too, where the backend measures its forward pass apart
+    (`scaled_forward`). Copies take `nbytes / bandwidth`.
 
     `max_in_flight_bytes` says how the backend's swaps behave: it bounds the
     bytes of device-to-host copies that may be outstanding; before a forward
@@ -38,6 +40,9 @@ class CostModel:
             Defaults to `5e-6`.
         time_scale: multiplier applied to every compute time. Defaults to
             `1.0`.
+        fwd_scale: a further multiplier on forward times (and so on
+            recomputation), learnt from a measured forward pass. Defaults
+            to `1.0`.
         max_in_flight_bytes: bound on outstanding device-to-host copy
             bytes, or `None`. Defaults to `None`.
         link_measured: whether the copy bandwidths were measured on this
@@ -62,6 +67,7 @@ class CostModel:
     bwd_factor: float = 2.0
     op_overhead_s: float = 5e-6
     time_scale: float = 1.0
+    fwd_scale: float = 1.0
     max_in_flight_bytes: float = None
     link_measured: bool = False
     replay_segments: bool = False
@@ -69,7 +75,7 @@ class CostModel:
 
     def __post_init__(self):
         for name in ("flops_per_s", "mem_bytes_per_s", "d2h_bytes_per_s",
-                     "h2d_bytes_per_s", "time_scale"):
+                     "h2d_bytes_per_s", "time_scale", "fwd_scale"):
             _check_number(name, getattr(self, name), positive=True)
         if self.max_in_flight_bytes is not None:
             _check_number("max_in_flight_bytes", self.max_in_flight_bytes,
@@ -86,9 +92,10 @@ class CostModel:
         Returns:
             Seconds, as a float.
         """
-        if op.fwd_time is not None:
-            return op.fwd_time * self.time_scale
-        return self._estimate(op) * self.time_scale
+        return self._fwd_unscaled(op) * self.time_scale * self.fwd_scale
+
+    def _fwd_unscaled(self, op):
+        return op.fwd_time if op.fwd_time is not None else self._estimate(op)
 
     def bwd_time(self, op):
         """Backward time of an op in seconds.
@@ -101,7 +108,7 @@ class CostModel:
         """
         if op.bwd_time is not None:
             return op.bwd_time * self.time_scale
-        return self.bwd_factor * self.fwd_time(op)
+        return self.bwd_factor * self._fwd_unscaled(op) * self.time_scale
 
     def copy_time(self, nbytes, direction):
         """Time to copy `nbytes` between device and host.
@@ -137,6 +144,22 @@ class CostModel:
         """
         _check_number("factor", factor, positive=True)
         return dataclasses.replace(self, time_scale=self.time_scale * factor)
+
+    def scaled_forward(self, factor):
+        """Returns a copy whose forward times (and so recomputation) are
+        `factor` times longer, backward times unchanged: what a measured
+        forward pass teaches (`Mechanism.forward_seconds`). An eager
+        step's forward runs each layer's Python on top of its kernels,
+        which a layer timed alone does not show.
+
+        Args:
+            factor: positive multiplier for forward times.
+
+        Returns:
+            A new `CostModel`.
+        """
+        _check_number("factor", factor, positive=True)
+        return dataclasses.replace(self, fwd_scale=self.fwd_scale * factor)
 
     def _estimate(self, op):
         roofline = max(op.flops / self.flops_per_s,

@@ -102,7 +102,7 @@ class Plan:
         """Whether the predicted times rest on measurements of this run:
         compute times matched to a measured step, or measured op times.
         Until then they come from the default device figures."""
-        return self.cost.time_scale != 1.0 or any(
+        return self.cost.time_scale != 1.0 or self.cost.fwd_scale != 1.0 or any(
             op.fwd_time is not None for op in self.graph.ops)
 
     def counts(self):
@@ -164,7 +164,7 @@ class Plan:
             compute = "measured"
         elif timed:
             compute = f"measured ({timed} of {len(self.graph.ops)} layers, the rest roofline)"
-        elif self.cost.time_scale != 1.0:
+        elif self.cost.time_scale != 1.0 or self.cost.fwd_scale != 1.0:
             compute = "roofline scaled to measured steps"
         else:
             compute = "roofline (uncalibrated)"

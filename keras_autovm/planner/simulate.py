@@ -99,6 +99,11 @@ class SimResult:
     copy_events: list
     d2h_wait_time: float = 0.0
 
+    @property
+    def forward_time(self):
+        """When the forward pass ends (its waits for copies included)."""
+        return max((e.end for e in self.op_events if e.phase == "fwd"), default=0.0)
+
 
 def simulate(graph, actions=None, prefetch=None, cost=None, hold_outputs=False):
     """Simulates one training step of `graph` under a plan.

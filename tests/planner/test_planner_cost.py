@@ -34,6 +34,21 @@ def test_given_times_win_and_scale():
     assert slow.copy_time(100e9, "d2h") == cost.copy_time(100e9, "d2h") == 2.0
 
 
+def test_a_forward_scale_scales_forwards_and_recompute_not_backwards():
+    timed = OpSpec("x", fwd_time=0.5, bwd_time=0.7)
+    estimated = OpSpec("e", flops=2e12)
+    cost = CostModel(flops_per_s=1e12, op_overhead_s=0.0, bwd_factor=2.0)
+    slow = cost.scaled_forward(3.0)
+    assert (slow.fwd_time(timed), slow.bwd_time(timed)) == (1.5, 0.7)
+    # An estimated backward is a multiple of the layer's own forward, not
+    # of the forward as an eager step runs it.
+    assert slow.fwd_time(estimated) == 6.0 and slow.bwd_time(estimated) == 4.0
+    both = slow.scaled(2.0)
+    assert (both.fwd_time(timed), both.bwd_time(timed)) == (3.0, 1.4)
+    with pytest.raises(ValueError, match="factor"):
+        cost.scaled_forward(0.0)
+
+
 def test_copy_time_directions():
     cost = CostModel(d2h_bytes_per_s=10, h2d_bytes_per_s=20)
     assert cost.copy_time(100, "d2h") == 10

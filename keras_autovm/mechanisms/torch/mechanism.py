@@ -50,6 +50,7 @@ class TorchMechanism(Mechanism):
         self._stream = None
         self._step = None
         self._last_step = None  # A weak reference, for `release_memory`.
+        self._forward = None  # The last training forward's (start, end) marks.
 
     def actions(self):
         return ("keep", "swap", "recompute")
@@ -127,9 +128,15 @@ class TorchMechanism(Mechanism):
         call = model.call
 
         @functools.wraps(call)
-        def call_with_hooks(inputs, *args, **kwargs):
+        def timed_call(inputs, *args, **kwargs):
             if not kwargs.get("training"):
                 return call(inputs, *args, **kwargs)
+            start = timing.mark()
+            outputs = call_with_hooks(inputs, *args, **kwargs)
+            self._forward = (start, timing.mark())
+            return outputs
+
+        def call_with_hooks(inputs, *args, **kwargs):
             applied = runtime.plan_for_inputs(inputs)
             if applied is None or applied.plan.unchanged:
                 # Nothing to free or copy: no hooks, and the wrappers step
@@ -156,8 +163,16 @@ class TorchMechanism(Mechanism):
                 self._step.forward_done()
                 self._step = None
 
-        patches.set(model, "call", call_with_hooks)
+        patches.set(model, "call", timed_call)
         return None
+
+    def forward_seconds(self):
+        """The last training forward, from the model call's start to its
+        end on the device (CUDA events: no wait is added to the step)."""
+        if self._forward is None:
+            return None
+        forward, self._forward = self._forward, None
+        return timing.seconds_between(*forward)
 
     def after_layer(self, name, outputs, applied):
         if self._step is not None:
