@@ -47,31 +47,20 @@ def real_split(model, batch, steps):
     import numpy as np
     import torch
 
-    marks, backward = [], torch.Tensor.backward
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def timed(tensor, *args, **kwargs):
-        sync()
-        marks.append(time.perf_counter())
-        backward(tensor, *args, **kwargs)
-        sync()
-        marks.append(time.perf_counter())
+    import measure
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, 224, 224, 3)).astype("float32")
     y = rng.integers(0, 1000, batch)
     model.train_on_batch(x, y)  # Warm-up: cuDNN picks its algorithms.
     splits = []
-    torch.Tensor.backward = timed
-    try:
+    with measure.backward_marks(torch) as marks:
         for _ in range(steps):
             marks.clear()
             start = time.perf_counter()
             float(model.train_on_batch(x, y))
             end = time.perf_counter()
             splits.append((marks[0] - start, marks[1] - marks[0], end - marks[1]))
-    finally:
-        torch.Tensor.backward = backward
     return [statistics.median(s[i] for s in splits) for i in range(3)]
 
 

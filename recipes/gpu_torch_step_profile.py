@@ -166,23 +166,13 @@ def profiling_callback(keras, torch):
         def __init__(self):
             super().__init__()
             self.times, self.trace, self.profiler, self.epoch = [], None, None, 0
-            self.splits, self.marks, self.backward = [], [], None
+            self.splits, self.marks, self.split = [], [], None
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
             if epoch == 2:
-                self.backward = backward = torch.Tensor.backward
-                sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-                marks = self.marks
-
-                def timed_backward(tensor, *args, **kwargs):
-                    sync()
-                    marks.append(time.perf_counter())
-                    backward(tensor, *args, **kwargs)
-                    sync()
-                    marks.append(time.perf_counter())
-
-                torch.Tensor.backward = timed_backward
+                self.split = measure.backward_marks(torch)
+                self.marks = self.split.__enter__()
 
         def on_train_batch_begin(self, batch, logs=None):
             if self.epoch == 1 and batch == 1:
@@ -203,8 +193,9 @@ def profiling_callback(keras, torch):
                 self.times.append(time.perf_counter() - self.start)
 
         def on_epoch_end(self, epoch, logs=None):
-            if self.backward is not None:
-                torch.Tensor.backward, self.backward = self.backward, None
+            if self.split is not None:
+                self.split.__exit__(None, None, None)
+                self.split = None
             if self.profiler is None:
                 return
             if torch.cuda.is_available():

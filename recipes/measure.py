@@ -1,6 +1,7 @@
 """What the GPU recipes share: a measurement run in its own process (nothing
 of an earlier run stays on the device), and a per-step timer."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -58,3 +59,25 @@ def save(results, out):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
+
+
+@contextlib.contextmanager
+def backward_marks(torch):
+    """While open, every `Tensor.backward` call (Keras's torch step makes
+    one) waits for the device before and after it and appends the two
+    times to the yielded list: a step's forward, backward and the rest."""
+    marks, backward = [], torch.Tensor.backward
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(tensor, *args, **kwargs):
+        sync()
+        marks.append(time.perf_counter())
+        backward(tensor, *args, **kwargs)
+        sync()
+        marks.append(time.perf_counter())
+
+    torch.Tensor.backward = timed
+    try:
+        yield marks
+    finally:
+        torch.Tensor.backward = backward
