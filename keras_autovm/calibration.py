@@ -93,13 +93,18 @@ def scaled_to_step(cost, result, step, forward, tolerance):
 
     if not step:
         return cost
-    if not forward:
+    # The forward's waits for the link are the plan's, not compute.
+    waited = result.d2h_wait_time
+    computed = result.forward_time - waited
+    if not forward or not 0 < forward - waited < step or computed <= 0:
         ratio = step / max(result.step_time, 1e-12)
         return cost.scaled(ratio) if off(ratio) else cost
-    ratio = forward / max(result.forward_time, 1e-12)
+    ratio = (forward - waited) / computed
+    predicted_rest = result.step_time - result.forward_time
     if off(ratio):
         cost = cost.scaled_forward(ratio)
-    predicted_rest = result.step_time - result.forward_time
+        # Recomputation is forward work done in the backward.
+        predicted_rest += (ratio - 1) * result.recompute_time
     if result.h2d_bytes or predicted_rest <= 0:
         return cost
     rest = (step - forward) / predicted_rest
@@ -110,8 +115,8 @@ def scaled_to_step(cost, result, step, forward, tolerance):
 
 
 def median(values):
-    """The median of measured `values`, or `None` if there are none or
-    one of them is (not measured)."""
+    """The median of measured `values`, or `None` if there are none or any
+    is `None` (not measured)."""
     if not values or any(v is None for v in values):
         return None
     return sorted(values)[len(values) // 2]

@@ -33,10 +33,10 @@ from keras_autovm.model_graph import needs_input_shapes
 from keras_autovm.profile_cache import cache_path
 from keras_autovm.profile_cache import call_key
 from keras_autovm.profile_cache import fingerprint
-from keras_autovm.timing_batch import at_batch
-from keras_autovm.timing_batch import calls_fit
+from keras_autovm.profile_batch import at_batch
+from keras_autovm.profile_batch import timing_batch_for
 # `timing_batch` is part of this module's API too.
-from keras_autovm.timing_batch import timing_batch
+from keras_autovm.profile_batch import timing_batch  # noqa: F401
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
@@ -180,25 +180,31 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                       fingerprint(model), batch_size)
     names = [name for name, _ in call_names(model)]
     cached = _cached(path)
+    pass_batch, time_at = timing_batch_for(model, batch_size, limit_bytes)
     # A profile timed at a smaller batch (a tighter budget then) is
     # measured again when this fit can time a larger one.
     if (cached is not None and len(cached.layers) == len(names)
-            and cached.batch_size >= timing_batch(model, batch_size, limit_bytes)):
+            and cached.batch_size >= time_at):
         # Same architecture, in run order: take this model's op names.
         layers = tuple(dataclasses.replace(t, name=n)
                        for t, n in zip(cached.layers, names))
         return dataclasses.replace(cached, layers=layers), False
-    timed = timing_batch(model, batch_size, limit_bytes)
-    if timed < batch_size and calls_fit(model, batch_size, timed, limit_bytes):
-        # Each call alone at the training batch, the pass at a smaller one.
-        profile = measure(model, timed, mechanism, verbose=verbose, time_at=batch_size)
-    else:
-        profile = measure(model, timed, mechanism, verbose=verbose)
+    profile = None
+    if time_at > pass_batch:  # Each call alone at the training batch.
+        try:
+            profile = measure(model, pass_batch, mechanism, verbose=verbose,
+                              time_at=time_at)
+        except Exception as error:  # noqa: BLE001 -- only out-of-memory is caught
+            if not mechanism.out_of_memory(error):
+                raise
+            mechanism.release_memory()  # Then time at the pass's batch.
+    if profile is None:
+        profile = measure(model, pass_batch, mechanism, verbose=verbose)
     if 1 < profile.batch_size < batch_size:
         # Scaled up to the fit's batch, a layer's fixed cost (Python and
         # launch overhead) would grow with it: ResNet-152 timed at a small
         # batch and planned at 193 was predicted at 5.3x its measured step.
-        smaller = measure(model, timed // 2, mechanism, verbose=verbose)
+        smaller = measure(model, pass_batch // 2, mechanism, verbose=verbose)
         profile = profile.with_fixed_times(smaller)
     profile.save(path)
     return profile, True
@@ -216,7 +222,7 @@ def _cached(path):
 
 
 def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0, time_at=None):
-    """Times each layer call of `model` at `batch_size`, and the link.
+    """Times each layer call of `model` in a pass at `batch_size`, and the link.
 
     Args:
         model: a built Sequential or functional Keras model.
@@ -225,7 +231,7 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0, time_at=No
         repeats: timed runs per forward and per backward. Defaults to 3.
         verbose: show a `keras.utils.Progbar` when true. Defaults to 0.
         time_at: the batch size to time each call at, on zeros made for it
-            (`timing_batch.calls_fit` says when that fits); `None`:
+            (`profile_batch.calls_fit` says when that fits); `None`:
             `batch_size`. Defaults to `None`.
 
     Returns:
@@ -308,8 +314,9 @@ def for_fit(setting, model, batch_size, mechanism, verbose=0, limit_bytes=None):
         model, batch_size, mechanism: what to measure; `batch_size` may be
             `None` when `fit` does not say it, and nothing is measured then.
         verbose: show a progress bar while measuring.
-        limit_bytes: the memory the plan must fit; the layers are timed at a
-            smaller batch when the full one would not fit (`timing_batch`).
+        limit_bytes: the memory the plan must fit; the pass runs at a
+            smaller batch, and the calls may be, when the full one would not
+            fit (`profile_batch`).
 
     Returns:
         `(profile, source)`: `profile` is a `Profile` or `None`; `source`

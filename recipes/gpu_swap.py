@@ -169,7 +169,8 @@ def plan_facts(callback):
     plan, epochs = callback.plan, callback.report.epochs
     return {"counts": plan.counts(), "chosen": plan.policy,
             "predicted_peak_bytes": plan.result.peak_bytes,
-            # The step time predicted after the first epoch's calibration.
+            # The step time the last epoch's plan predicted (calibrated by
+            # the epochs before it).
             "predicted_step_s": epochs[-1]["predicted_step_time"],
             "stats": callback.report.stats,
             # What each tensor's action, prefetch point and predicted stall

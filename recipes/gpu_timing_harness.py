@@ -5,7 +5,9 @@
 
 Per model (random weights, 224x224, one process): AutoVM's profile of the
 layers (`profiling.measure`: each call's forward and backward timed alone,
-waited for), the same timing of a layer that does next to nothing (one
+waited for; AutoVM's taking the trivial call's backward off each,
+`timing.grad_call_s`, is turned off here and its figure recorded), the same
+timing of a layer that does next to nothing (one
 multiply on one number: what the timing itself costs a call), and three
 steps of plain Keras `fit` split into forward, backward and the rest by
 synchronizing the device around `loss.backward()`. Prints the sums of the
@@ -76,12 +78,17 @@ def main():
     from keras_autovm import mechanisms
     from keras_autovm import profiling
 
+    from keras_autovm.mechanisms.torch import timing
     mechanism = mechanisms.get()
+    # The layer times as timed, before AutoVM takes the trivial call off.
+    grad_call_s = timing.grad_call_s()
+    timing.grad_call_s = lambda: 0.0
     fwd0, bwd0 = trivial_times(mechanism)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv),
                "versions": gpu_swap.versions("torch"),
-               "trivial_call_s": {"fwd": fwd0, "bwd": bwd0}, "models": []}
+               "trivial_call_s": {"fwd": fwd0, "bwd": bwd0},
+               "grad_call_s": grad_call_s, "models": []}
     print(f"trivial call: forward {fwd0 * 1e3:.3f} ms, backward {bwd0 * 1e3:.3f} ms")
     for name in args.models.split(","):
         model = gpu_swap.build(name)

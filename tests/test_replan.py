@@ -96,8 +96,10 @@ def test_after_a_memory_replan_the_figures_name_the_overhead(monkeypatch, capsys
 class _Result:
     """What `scaled_to_step` reads of a plan's `SimResult`."""
 
-    def __init__(self, step_time, forward_time, h2d_bytes=0):
+    def __init__(self, step_time, forward_time, h2d_bytes=0, recompute_time=0.0,
+                 d2h_wait_time=0.0):
         self.step_time, self.forward_time, self.h2d_bytes = step_time, forward_time, h2d_bytes
+        self.recompute_time, self.d2h_wait_time = recompute_time, d2h_wait_time
 
 
 def test_a_measured_forward_scales_the_forward_and_the_rest_the_backward():
@@ -116,6 +118,23 @@ def test_a_measured_forward_scales_the_forward_and_the_rest_the_backward():
     assert scaled.time_scale * scaled.fwd_scale == pytest.approx(1.0)
 
 
+def test_recomputation_and_link_waits_are_not_counted_twice():
+    from keras_autovm.calibration import scaled_to_step
+    from keras_autovm.planner import CostModel
+    # Forward 2x: the 0.1 s recomputed in the backward becomes 0.2 s, which
+    # is all the rest grew by: the backward keeps its times.
+    scaled = scaled_to_step(CostModel(), _Result(1.0, 0.4, recompute_time=0.1),
+                            1.5, 0.8, 1.25)
+    assert (scaled.time_scale, scaled.fwd_scale) == (1.0, 2.0)
+    # 0.2 s of the predicted forward waited for the link, as measured.
+    scaled = scaled_to_step(CostModel(), _Result(1.0, 0.4, d2h_wait_time=0.2),
+                            1.2, 0.6, 1.25)
+    assert scaled.fwd_scale == pytest.approx(2.0)
+    # A forward no shorter than the step: one scale for the whole step.
+    scaled = scaled_to_step(CostModel(), _Result(1.0, 0.4), 2.0, 2.0, 1.25)
+    assert (scaled.time_scale, scaled.fwd_scale) == (2.0, 1.0)
+
+
 def test_a_backward_that_copies_back_keeps_its_times():
     from keras_autovm.calibration import scaled_to_step
     from keras_autovm.planner import CostModel
@@ -128,7 +147,7 @@ def test_a_backward_that_copies_back_keeps_its_times():
 @pytest.mark.skipif(keras.backend.backend() != "torch",
                     reason="only torch's eager step shows its forward apart")
 def test_torch_epochs_record_the_forward_pass_against_its_prediction():
-    callback, _ = fit_with_peak_epochs(2)
+    callback, _ = fit_epochs(2)
     for record in callback.report.epochs:
         assert 0 < record["forward_time"] < record["step_time"]
         assert 0 < record["predicted_forward_time"] < record["predicted_step_time"]
@@ -155,17 +174,19 @@ def test_torch_forward_times_learn_the_measured_forward(monkeypatch):
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[callback], verbose=0)
     assert seen and all(seen)  # Each training step's forward was marked.
     cost = callback._runtime.plans.cost
+    # The forward measured 4x its prediction, whatever the rest measured.
+    assert cost.fwd_scale != 1.0
     assert cost.time_scale * cost.fwd_scale == pytest.approx(4.0)
 
 
 @pytest.mark.skipif(keras.backend.backend() == "torch",
                     reason="a compiled step shows no forward apart")
 def test_compiled_epochs_record_no_forward():
-    callback, _ = fit_with_peak_epochs(1)
+    callback, _ = fit_epochs(1)
     assert callback.report.epochs[0]["forward_time"] is None
 
 
-def fit_with_peak_epochs(epochs):
+def fit_epochs(epochs):
     keras.utils.set_random_seed(7)
     model = small_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")

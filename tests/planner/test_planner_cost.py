@@ -63,6 +63,7 @@ def test_copy_time_directions():
     ({"bwd_factor": -1.0}, "bwd_factor=-1.0"),
     ({"d2h_bytes_per_s": "fast"}, "d2h_bytes_per_s='fast'"),
     ({"time_scale": float("nan")}, "time_scale=nan"),
+    ({"fwd_scale": 0.0}, "fwd_scale=0.0"),
 ])
 def test_cost_validation(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -41,9 +41,10 @@ def timing_batch(model, batch_size, limit_bytes):
     return int(max(1, min(batch_size, room // (2 * per_sample))))
 
 
-def calls_fit(model, batch_size, timed, limit_bytes):
+def calls_fit(model, batch_size, pass_batch, limit_bytes):
     """Whether every layer call, timed alone at `batch_size`, fits beside a
-    pass at `timed` under `limit_bytes` (`None`: no limit)."""
+    pass at `pass_batch` under `limit_bytes` (`None`: no limit). A call
+    reading only model inputs is counted as reading all of them."""
     if limit_bytes is None:
         return True
     graph = build_graph(model, 1)
@@ -52,21 +53,35 @@ def calls_fit(model, batch_size, timed, limit_bytes):
                    for x in internals.functional_of(model).inputs)
     largest = max((sum(sizes[t] for t in op.inputs) or batch_in)
                   + sum(sizes[t] for t in op.outputs) for op in graph.ops)
-    room = limit_bytes - graph.persistent_bytes - sum(sizes.values()) * timed
-    return _CALL_COPIES * largest * batch_size <= room
+    workspace = max(op.workspace_bytes for op in graph.ops)
+    room = limit_bytes - graph.persistent_bytes - sum(sizes.values()) * pass_batch
+    return _CALL_COPIES * largest * batch_size + workspace <= room
 
 
-def at_batch(structure, batch_size, timed):
-    """`structure` with each tensor of leading size `timed` replaced by
-    zeros of leading size `batch_size` (what a call is timed on); as it is
-    when the two sizes are the same."""
-    if batch_size == timed:
+def at_batch(structure, batch_size, pass_batch):
+    """`structure` with each tensor of leading size `pass_batch` replaced
+    by zeros of leading size `batch_size` (what a call is timed on); as it
+    is when the two sizes are the same. A tensor that is not batched but
+    whose leading size is the pass batch's is replaced too: the pass runs
+    at 2 or more (`timing_batch_for`), where such a collision is rare."""
+    if batch_size == pass_batch:
         return structure
 
     def grow(x):
         shape = getattr(x, "shape", None)
-        if not shape or shape[0] != timed or not hasattr(x, "dtype"):
+        if not shape or shape[0] != pass_batch or not hasattr(x, "dtype"):
             return x
         return keras.ops.zeros((batch_size,) + tuple(shape[1:]), x.dtype)
 
     return keras.tree.map_structure(grow, structure)
+
+
+def timing_batch_for(model, batch_size, limit_bytes):
+    """`(pass_batch, time_at)`: the batch the profiling pass runs at, and
+    the one each call is timed at: the training batch where the calls fit
+    beside a pass of 2 or more, else the pass's own."""
+    pass_batch = timing_batch(model, batch_size, limit_bytes)
+    if 1 < pass_batch < batch_size and calls_fit(model, batch_size, pass_batch,
+                                                 limit_bytes):
+        return pass_batch, batch_size
+    return pass_batch, pass_batch
