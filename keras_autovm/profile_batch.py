@@ -25,29 +25,30 @@ from keras_autovm.model_graph import layer_facts
 _CALL_COPIES = 3
 
 
-def timing_batch(model, batch_size, limit_bytes):
+def timing_batch(model, batch_size, limit_bytes, graph=None):
     """The batch size to run the profiling pass at under `limit_bytes`.
 
     The pass holds every layer output at once, and each timed call its own
     backward on top, so under a budget below the in-core need a pass at the
-    full batch runs out of memory. `None`: no limit.
+    full batch runs out of memory. `None`: no limit. `graph`: the model's
+    `build_graph(model, 1)`, where the caller has it.
     """
     if limit_bytes is None:
         return batch_size
-    graph = build_graph(model, 1)
+    graph = graph or build_graph(model, 1)
     per_sample = sum(t.nbytes for t in graph.tensors) or 1
     room = limit_bytes - graph.persistent_bytes
     # Half the room: the timed call's backward needs about as much again.
     return int(max(1, min(batch_size, room // (2 * per_sample))))
 
 
-def calls_fit(model, batch_size, pass_batch, limit_bytes):
+def calls_fit(model, batch_size, pass_batch, limit_bytes, graph=None):
     """Whether every layer call, timed alone at `batch_size`, fits beside a
     pass at `pass_batch` under `limit_bytes` (`None`: no limit). A call
     reading only model inputs is counted as reading all of them."""
     if limit_bytes is None:
         return True
-    graph = build_graph(model, 1)
+    graph = graph or build_graph(model, 1)
     sizes = {t.name: t.nbytes for t in graph.tensors}
     batch_in = sum(layer_facts.nbytes(x, 1, "input")
                    for x in internals.functional_of(model).inputs)
@@ -80,8 +81,11 @@ def timing_batch_for(model, batch_size, limit_bytes):
     """`(pass_batch, time_at)`: the batch the profiling pass runs at, and
     the one each call is timed at: the training batch where the calls fit
     beside a pass of 2 or more, else the pass's own."""
-    pass_batch = timing_batch(model, batch_size, limit_bytes)
+    if limit_bytes is None:
+        return batch_size, batch_size
+    graph = build_graph(model, 1)  # Once, for both.
+    pass_batch = timing_batch(model, batch_size, limit_bytes, graph)
     if 1 < pass_batch < batch_size and calls_fit(model, batch_size, pass_batch,
-                                                 limit_bytes):
+                                                 limit_bytes, graph):
         return pass_batch, batch_size
     return pass_batch, pass_batch
