@@ -10,6 +10,7 @@ from those, and exercises each reach.
 """
 
 import contextlib
+import functools
 import sys
 
 import keras
@@ -337,3 +338,50 @@ def torch_expandable_segments():
     import torch
 
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+@contextlib.contextmanager
+def torch_conv_on_views():
+    """Keras's torch convolutions read a channels-last input through a view,
+    not through two copies of it.
+
+    Keras 3.15.1's torch `conv` (keras/src/backend/torch/nn.py) turns a
+    channels-last input into a contiguous channels-first copy
+    (`_transpose_spatial_inputs`) and that into a channels-last-strided
+    copy (`_maybe_convert_to_channels_last`), which autograd then saves for
+    the backward pass: every convolution holds a second copy of its input
+    until its backward runs. The channels-first view of a contiguous
+    channels-last tensor already has those strides, so the convolution gets
+    the same bytes in the same layout from the input's own storage and
+    computes the same numbers. No public API chooses the layout `conv`
+    hands cuDNN; `conv` reads the module's `_transpose_spatial_inputs` when
+    called, and this swaps it only while `conv` runs (other ops keep
+    Keras's copies). Inputs of other layouts (1D, non-contiguous) get
+    Keras's own. Contexts nest. Keras 3.15.1.
+    """
+    import torch
+    from keras.src.backend.torch import nn
+
+    conv, transpose = nn.conv, nn._transpose_spatial_inputs
+    layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+    def as_view(inputs):
+        view = inputs.permute(0, inputs.ndim - 1, *range(1, inputs.ndim - 1))
+        layout = layouts.get(inputs.ndim)
+        if layout is not None and view.is_contiguous(memory_format=layout):
+            return view
+        return transpose(inputs)
+
+    @functools.wraps(conv)
+    def conv_on_view(*args, **kwargs):
+        nn._transpose_spatial_inputs = as_view
+        try:
+            return conv(*args, **kwargs)
+        finally:
+            nn._transpose_spatial_inputs = transpose
+
+    nn.conv = conv_on_view
+    try:
+        yield
+    finally:
+        nn.conv = conv

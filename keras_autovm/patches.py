@@ -53,6 +53,12 @@ class Patches:
             self._undo.append(lambda: vars(obj).pop(name, None))
         setattr(obj, name, value)
 
+    def enter(self, context):
+        """Enters `context` (a context manager) until `close()` exits it."""
+        value = context.__enter__()
+        self._undo.append(lambda: context.__exit__(None, None, None))
+        return value
+
     def close(self):
         """Undoes every change, newest first. Safe to call again."""
         self.closed = True

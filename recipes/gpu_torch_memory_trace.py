@@ -13,9 +13,11 @@ most.
 """
 
 import argparse
+import bisect
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -38,6 +40,11 @@ def main():
                         "part does); ignored with --cap-gib")
     parser.add_argument("--trace-step", type=int, default=1,
                         help="which training step to trace (0: the first)")
+    parser.add_argument("--peak-window", default="",
+                        help="kind:op,kind:op: list what was allocated in the traced step "
+                        "and still live at the highest point between these two records "
+                        "(for example bwd_start:block1_conv2,bwd_start:block1_conv1); "
+                        "'worst': where the measured peak exceeds the plan's most")
     args = parser.parse_args()
     wanted = set(args.snapshot_at.split(","))
     snapshots = {}
@@ -59,6 +66,8 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             if f"{kind}:{name}" in wanted:
                 snapshots[f"{kind}:{name}"] = live_by_origin(torch)
+            # To place this record among the allocator's events (their time_us).
+            trace[-1]["t_us"] = time.time_ns() // 1000
 
     original = torch_mechanism.TorchMechanism.after_layer
 
@@ -77,7 +86,8 @@ def main():
         def on_train_batch_begin(self, batch, logs=None):
             state["on"] = batch == args.trace_step
             if state["on"]:
-                torch.cuda.memory._record_memory_history(max_entries=200000)
+                torch.cuda.memory._record_memory_history(
+                    max_entries=200000, stacks="all" if args.peak_window else "python")
                 torch.cuda.synchronize()
                 record("step_begin", "")
 
@@ -105,17 +115,23 @@ def main():
     try:
         model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[callback, Second()])
-    except torch.cuda.OutOfMemoryError as e:  # Still write what was traced.
+    except Exception as e:  # Out of memory, no plan left: still write what was traced.
         error = f"{type(e).__name__}: {str(e)[:300]}"
     plan = callback.plan
     predicted = predicted_points(plan)
     for point in trace:
         point["predicted"] = predicted.get((point["kind"], point["op"]))
+    peak = None
+    if args.peak_window:
+        window = (worst_window(trace) if args.peak_window == "worst"
+                  else args.peak_window.split(","))
+        peak = dict(peak_breakdown(torch, trace, *window), between=window)
+        torch.cuda.memory._record_memory_history(enabled=None)
     out = {"model": args.model, "batch": args.batch, "policy": args.policy,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "predicted_peak": plan.result.peak_bytes, "counts": plan.counts(),
            "persistent_bytes": plan.graph.persistent_bytes, "trace": trace,
-           "snapshots": snapshots,
+           "snapshots": snapshots, "peak_breakdown": peak,
            "cap_gib": args.cap_gib, "budget_bytes": budget, "error": error,
            "stats": callback.report.stats if callback.report else None}
     if args.out:
@@ -127,6 +143,14 @@ def main():
         print(f"live at {point}:")
         for g in groups[:12]:
             print(f"  {g['bytes'] / 2**30:7.3f} GiB {g['blocks']:5d} blocks  {g['where']}")
+    if peak:
+        print(f"highest point between {' and '.join(peak['between'])}: {peak['allocated'] / 2**30:.3f} GiB "
+              f"allocated; made in the traced step and live there:")
+        for b in peak["live"][:16]:
+            print(f"  {b['bytes'] / 2**30:7.3f} GiB  {b['where']}")
+        print("events around it (+ allocated, - freed):")
+        for e in peak["events"]:
+            print(f"  {e}")
     print(f"predicted peak {plan.result.peak_bytes / 2**30:.2f} GiB, measured max "
           f"{max(p['peak_since_last'] for p in trace) / 2**30:.2f} GiB")
     for p in worst[:8]:
@@ -151,6 +175,65 @@ def live_by_origin(torch):
             entry[1] += 1
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:30]
     return [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in top]
+
+
+def worst_window(trace):
+    """The two records around the highest measured peak over the plan's."""
+    i = max((i for i in range(1, len(trace)) if trace[i]["predicted"]),
+            key=lambda i: trace[i]["peak_since_last"] - trace[i]["predicted"][1])
+    return [f"{p['kind']}:{p['op']}" for p in (trace[i - 1], trace[i])]
+
+
+def peak_breakdown(torch, trace, start, end):
+    """The blocks allocated after the step began and live at the highest
+    point of allocated memory between the records `start` and `end`
+    ("kind:op"), by what made them, and the allocator events around it.
+
+    Replays the allocator's event trace (alloc / free_completed), so the
+    blocks are the ones torch's `memory_allocated` counts, record_stream
+    deferrals included."""
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    marks = {f"{p['kind']}:{p['op']}": p for p in trace}
+    times = [e.get("time_us", 0) for e in events]
+    first = bisect.bisect_right(times, marks[start]["t_us"])
+    last = bisect.bisect_right(times, marks[end]["t_us"])
+    if first >= last:  # The allocator's clock is not ours: the whole step.
+        first, last = 0, len(events)
+    base = trace[0]["allocated"]  # Allocated when the history began.
+    live, now, best = {}, base, (base, first, {})
+    for i, e in enumerate(events[:last]):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            now += e["size"]
+        elif e["action"] == "free_completed":  # Made in the step or before it.
+            now -= live.pop(e["addr"], e)["size"]
+        if i >= first and now > best[0]:
+            best = (now, i, dict(live))
+    allocated, at, blocks = best
+    groups = {}
+    for e in blocks.values():
+        groups.setdefault(_origin(e), []).append(e["size"])
+    around = [f"{'+' if e['action'] == 'alloc' else '-'}{e['size'] / 2**30:.3f} GiB "
+              f"{_origin(e)}" for e in events[max(first, at - 12):at + 4]
+              if e["action"] in ("alloc", "free_completed")]
+    return {"allocated": allocated, "at_event": at, "window": [first, last],
+            "live": sorted(({"where": w, "bytes": sum(s), "blocks": len(s)}
+                            for w, s in groups.items()), key=lambda g: -g["bytes"]),
+            "events": around}
+
+
+def _origin(event):
+    """A short name for what made a block: the innermost Python frame outside
+    torch, else the innermost ATen / autograd / cuDNN C++ frame."""
+    frames = event.get("frames", [])
+    for f in frames:
+        if f["filename"].endswith(".py") and "torch/" not in f["filename"]:
+            return f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+    for f in frames:
+        name = f["name"]
+        if any(k in name for k in ("at::native::", "autograd::generated", "cudnn", "at::cuda")):
+            return name[:120]
+    return "?"
 
 
 def predicted_points(plan):

@@ -337,3 +337,52 @@ def test_torch_allocator_settings_are_reachable():
         pytest.skip("torch's allocator")
     import torch
     assert callable(torch.cuda.memory._set_allocator_settings)
+
+
+def _conv_run(layer, x, views):
+    """A conv layer's output, its gradients, and the bytes autograd saves
+    outside the input's own storage, with or without the views."""
+    import contextlib
+
+    import torch
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    inputs = torch.tensor(x, requires_grad=True)
+    context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
+    with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(inputs)
+    grads = torch.autograd.grad((y * y).sum(), [inputs] + [v.value for v in layer.weights])
+    own = inputs.untyped_storage().data_ptr()
+    other = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    other.pop(own, None)
+    other.pop(y.untyped_storage().data_ptr(), None)  # What the activation saves.
+    return y.detach().numpy(), [g.numpy() for g in grads], sum(other.values())
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+@pytest.mark.parametrize("layer,shape", [
+    (lambda: keras.layers.Conv2D(6, 3, padding="same", activation="relu"), (2, 12, 12, 4)),
+    (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4)),
+    (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4)),
+    (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2)),
+], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d"])
+def test_torch_conv_on_views_computes_the_same_without_a_copy(layer, shape):
+    from keras.src.backend.torch import nn
+    conv = nn.conv
+    layer = layer()
+    layer.build(shape)
+    x = np.random.default_rng(0).normal(size=shape).astype("float32")
+    y0, grads0, copied0 = _conv_run(layer, x, views=False)
+    y1, grads1, copied1 = _conv_run(layer, x, views=True)
+    np.testing.assert_array_equal(y1, y0)
+    for g1, g0 in zip(grads1, grads0):
+        np.testing.assert_array_equal(g1, g0)
+    # Keras's own saves a copy of the input (4 bytes a value) beside the
+    # kernel's; the views leave only the kernel's (smaller than the input).
+    assert copied0 - copied1 >= x.size * 4
+    assert copied1 < x.size * 4
+    assert nn.conv is conv  # Put back.

@@ -5,7 +5,9 @@ each place an exception can come from: another callback's hooks, the
 user's data, a planning error, and after some training steps.
 """
 
+import contextlib
 import io
+import types
 
 import keras
 import numpy as np
@@ -209,6 +211,43 @@ def test_patches_undo_in_reverse_and_once():
     thing.kept = "later"
     patches.close()  # A second close changes nothing.
     assert thing.kept == "later" and patches.closed
+
+
+def test_entered_contexts_exit_on_close_in_order():
+    events = []
+
+    @contextlib.contextmanager
+    def context(name):
+        events.append(f"enter {name}")
+        yield name
+        events.append(f"exit {name}")
+
+    thing = types.SimpleNamespace(value="old")
+    patches = Patches()
+    assert patches.enter(context("a")) == "a"
+    patches.set(thing, "value", "new")
+    patches.enter(context("b"))
+    patches.close()
+    patches.close()  # Exits once.
+    assert events == ["enter a", "enter b", "exit b", "exit a"] and thing.value == "old"
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_fit_runs_convolutions_on_views_and_puts_keras_back(cnn_data):
+    from keras.src.backend.torch import nn
+    conv = nn.conv
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(nn.conv is not conv)
+
+    x, y = cnn_data
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        keras_autovm.AutoVM(budget="1GiB", verbose=0, apply_without_gpu=True), Probe()])
+    assert seen and all(seen) and nn.conv is conv
 
 
 def test_guarded_function_closes_except_at_the_end_of_data():

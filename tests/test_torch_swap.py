@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
+from keras_autovm import internals
 from keras_autovm import mechanisms
 from conftest import BACKEND, data, skip_model, small_cnn
 
@@ -37,17 +38,22 @@ def autovm(policy):
 def test_profile_finds_what_torch_layers_save():
     from keras_autovm.mechanisms.torch import profile
     saved = profile.measure(small_cnn())
-    # A channels-last convolution saves a copy of its input, not the input;
-    # with a fused relu it saves its own output.
+    # Keras's channels-last convolution saves a copy of its input, not the
+    # input; with a fused relu it saves its own output.
     assert "r1" not in saved["c2"].tags and "c2" in saved["c2"].tags
     assert saved["c2"].internal[1] == 16 * 16 * 8 * 4
+    # Run as AutoVM runs it, on a view of its input, it saves the input
+    # itself: no copy per sample (the kernel's channels-last copy is left).
+    with internals.torch_conv_on_views():
+        viewed = profile.measure(small_cnn())
+    assert {"r1", "c2"} <= viewed["c2"].tags and viewed["c2"].internal[1] == 0
     # A ReLU layer saves its output; batch norm its input.
     assert saved["r1"].tags == {"r1"} and "c1" in saved["bn1"].tags
     graph = keras_autovm.plan(small_cnn(), 8, budget="1GiB").graph
     tensors = graph.tensor_map
-    assert tensors["r1"].bwd_readers == ("r1",)
+    assert tensors["r1"].bwd_readers == ("r1", "c2")
     assert tensors["c2:saved"].internal and tensors["c2:saved"].bwd_readers == ("c2",)
-    assert tensors["c2:saved"].nbytes == saved["c2"].internal_bytes(8)
+    assert tensors["c2:saved"].nbytes == viewed["c2"].internal_bytes(8) == 8 * 8 * 9 * 4
 
 
 def test_measured_transients_become_workspace():
