@@ -341,28 +341,31 @@ def torch_expandable_segments():
 
 
 @contextlib.contextmanager
-def torch_conv_on_views():
-    """Keras's torch convolutions read a channels-last input through a view,
-    not through two copies of it.
+def torch_inputs_as_views():
+    """Keras's torch convolutions and max pooling read a channels-last input
+    through a view, not through a copy of it.
 
     Keras 3.15.1's torch `conv` (keras/src/backend/torch/nn.py) turns a
     channels-last input into a contiguous channels-first copy
     (`_transpose_spatial_inputs`) and that into a channels-last-strided
     copy (`_maybe_convert_to_channels_last`), which autograd then saves for
     the backward pass: every convolution holds a second copy of its input
-    until its backward runs. The channels-first view of a contiguous
-    channels-last tensor already has those strides, so the convolution gets
-    the same bytes in the same layout from the input's own storage and
-    computes the same numbers. No public API chooses the layout `conv`
-    hands cuDNN; `conv` reads the module's `_transpose_spatial_inputs` when
-    called, and this swaps it only while `conv` runs (other ops keep
-    Keras's copies). Inputs of other layouts (1D, non-contiguous) get
-    Keras's own. Contexts nest. Keras 3.15.1.
+    until its backward runs; `max_pool` saves its channels-first copy. The
+    channels-first view of a contiguous channels-last tensor already has
+    channels-last strides, so the convolution gets the same bytes in the
+    same layout from the input's own storage and computes the same
+    numbers; max pooling picks the same maxima in either layout, and its
+    output comes back contiguous, so the convolution after it reads a view
+    too. No public API chooses the layout these ops hand torch; they read
+    the module's `_transpose_spatial_inputs` when called, and this swaps it
+    only while one of them runs (other ops keep Keras's copies). Inputs of
+    other layouts (1D, non-contiguous) get Keras's own. Contexts nest.
+    Keras 3.15.1.
     """
     import torch
     from keras.src.backend.torch import nn
 
-    conv, transpose = nn.conv, nn._transpose_spatial_inputs
+    transpose = nn._transpose_spatial_inputs
     layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
 
     def as_view(inputs):
@@ -372,16 +375,21 @@ def torch_conv_on_views():
             return view
         return transpose(inputs)
 
-    @functools.wraps(conv)
-    def conv_on_view(*args, **kwargs):
-        nn._transpose_spatial_inputs = as_view
-        try:
-            return conv(*args, **kwargs)
-        finally:
-            nn._transpose_spatial_inputs = transpose
+    def on_views(op):
+        @functools.wraps(op)
+        def call(*args, **kwargs):
+            nn._transpose_spatial_inputs = as_view
+            try:
+                return op(*args, **kwargs)
+            finally:
+                nn._transpose_spatial_inputs = transpose
+        return call
 
-    nn.conv = conv_on_view
+    ops = {name: getattr(nn, name) for name in ("conv", "max_pool")}
+    for name, op in ops.items():
+        setattr(nn, name, on_views(op))
     try:
         yield
     finally:
-        nn.conv = conv
+        for name, op in ops.items():
+            setattr(nn, name, op)

@@ -352,7 +352,7 @@ def _conv_run(layer, x, views):
         return tensor
 
     inputs = torch.tensor(x, requires_grad=True)
-    context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
+    context = internals.torch_inputs_as_views() if views else contextlib.nullcontext()
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs)
     grads = torch.autograd.grad((y * y).sum(), [inputs] + [v.value for v in layer.weights])
@@ -369,10 +369,12 @@ def _conv_run(layer, x, views):
     (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2)),
-], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d"])
-def test_torch_conv_on_views_computes_the_same_without_a_copy(layer, shape):
+    (lambda: keras.layers.MaxPooling2D(), (2, 12, 12, 4)),
+    (lambda: keras.layers.MaxPooling2D(3, strides=2, padding="same"), (2, 13, 13, 4)),
+], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d", "maxpool", "maxpool_overlapping"])
+def test_torch_inputs_as_views_computes_the_same_without_a_copy(layer, shape):
     from keras.src.backend.torch import nn
-    conv = nn.conv
+    ops = (nn.conv, nn.max_pool)
     layer = layer()
     layer.build(shape)
     x = np.random.default_rng(0).normal(size=shape).astype("float32")
@@ -382,7 +384,7 @@ def test_torch_conv_on_views_computes_the_same_without_a_copy(layer, shape):
     for g1, g0 in zip(grads1, grads0):
         np.testing.assert_array_equal(g1, g0)
     # Keras's own saves a copy of the input (4 bytes a value) beside the
-    # kernel's; the views leave only the kernel's (smaller than the input).
+    # kernel's or the pooling indices; the views leave only those.
     assert copied0 - copied1 >= x.size * 4
     assert copied1 < x.size * 4
-    assert nn.conv is conv  # Put back.
+    assert (nn.conv, nn.max_pool) == ops  # Put back.
