@@ -125,7 +125,8 @@ def main():
     if args.peak_window:
         window = (worst_window(trace) if args.peak_window == "worst"
                   else args.peak_window.split(","))
-        peak = dict(peak_breakdown(torch, trace, *window), between=window)
+        events = torch.cuda.memory._snapshot()["device_traces"][0]
+        peak = dict(peak_breakdown(events, trace, *window), between=window)
         torch.cuda.memory._record_memory_history(enabled=None)
     out = {"model": args.model, "batch": args.batch, "policy": args.policy,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -184,15 +185,16 @@ def worst_window(trace):
     return [f"{p['kind']}:{p['op']}" for p in (trace[i - 1], trace[i])]
 
 
-def peak_breakdown(torch, trace, start, end):
+def peak_breakdown(events, trace, start, end):
     """The blocks allocated after the step began and live at the highest
     point of allocated memory between the records `start` and `end`
     ("kind:op"), by what made them, and the allocator events around it.
 
-    Replays the allocator's event trace (alloc / free_completed), so the
+    Replays the allocator's event history (`events`, torch's
+    `_snapshot()["device_traces"][0]`: alloc / free_completed), so the
     blocks are the ones torch's `memory_allocated` counts, record_stream
-    deferrals included."""
-    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    deferrals included; a block made before the history began counts in
+    the first record's `allocated` until its free."""
     marks = {f"{p['kind']}:{p['op']}": p for p in trace}
     times = [e.get("time_us", 0) for e in events]
     first = bisect.bisect_right(times, marks[start]["t_us"])
