@@ -152,6 +152,10 @@ class AutoVM(keras.callbacks.Callback):
         return self._runtime.current.plan
 
     def on_train_begin(self, logs=None):
+        # A fit left without a hook to undo its changes (interrupted between
+        # Keras's guarded calls) is undone now, before this one makes its own.
+        if getattr(self, "_patches", None) is not None:
+            self._patches.close()
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._forwards, self._epochs, self._last = [], [], [], None

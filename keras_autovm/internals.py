@@ -341,31 +341,38 @@ def torch_expandable_segments():
 
 
 @contextlib.contextmanager
-def torch_inputs_as_views():
-    """Keras's torch convolutions and max pooling read a channels-last input
-    through a view, not through a copy of it.
+def torch_conv_on_views():
+    """Keras's torch convolutions read a channels-last input through a view,
+    not through a copy of it.
 
     Keras 3.15.1's torch `conv` (keras/src/backend/torch/nn.py) turns a
     channels-last input into a contiguous channels-first copy
     (`_transpose_spatial_inputs`) and that into a channels-last-strided
     copy (`_maybe_convert_to_channels_last`), which autograd then saves for
     the backward pass: every convolution holds a second copy of its input
-    until its backward runs; `max_pool` saves its channels-first copy. The
-    channels-first view of a contiguous channels-last tensor already has
-    channels-last strides, so the convolution gets the same bytes in the
-    same layout from the input's own storage and computes the same
-    numbers; max pooling picks the same maxima in either layout, and its
-    output comes back contiguous, so the convolution after it reads a view
-    too. No public API chooses the layout these ops hand torch; they read
-    the module's `_transpose_spatial_inputs` when called, and this swaps it
-    only while one of them runs (other ops keep Keras's copies). Inputs of
-    other layouts (1D, non-contiguous) get Keras's own. Contexts nest.
-    Keras 3.15.1.
+    until its backward runs. The channels-first view of a contiguous
+    channels-last tensor already has those strides, so the convolution gets
+    the same bytes in the same layout from the input's own storage, and its
+    output and the input's gradient come back in Keras's layouts: the same
+    numbers. (Max pooling on a view picks the same maxima, but its output
+    comes back in another layout, and a reduction reading it, such as batch
+    normalization, then sums in another order: not done.) No public API
+    chooses the layout `conv` hands torch; `conv` reads the module's
+    `_transpose_spatial_inputs` when called, and this swaps that only while
+    `conv` runs. Inputs of other layouts (1D, non-contiguous, padded) get
+    Keras's own. Entering it again while it is on changes nothing. Keras
+    3.15.1.
     """
     import torch
     from keras.src.backend.torch import nn
 
-    transpose = nn._transpose_spatial_inputs
+    conv = nn.conv
+    if getattr(conv, "_autovm_views", False):  # Already on (nested).
+        yield
+        return
+    # Keras's own, even if another thread is inside a wrapped call now.
+    transpose = getattr(nn._transpose_spatial_inputs, "_autovm_original",
+                        nn._transpose_spatial_inputs)
     layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
 
     def as_view(inputs):
@@ -375,21 +382,19 @@ def torch_inputs_as_views():
             return view
         return transpose(inputs)
 
-    def on_views(op):
-        @functools.wraps(op)
-        def call(*args, **kwargs):
-            nn._transpose_spatial_inputs = as_view
-            try:
-                return op(*args, **kwargs)
-            finally:
-                nn._transpose_spatial_inputs = transpose
-        return call
+    as_view._autovm_original = transpose
 
-    ops = {name: getattr(nn, name) for name in ("conv", "max_pool")}
-    for name, op in ops.items():
-        setattr(nn, name, on_views(op))
+    @functools.wraps(conv)
+    def conv_on_view(*args, **kwargs):
+        nn._transpose_spatial_inputs = as_view
+        try:
+            return conv(*args, **kwargs)
+        finally:
+            nn._transpose_spatial_inputs = transpose
+
+    conv_on_view._autovm_views = True
+    nn.conv = conv_on_view
     try:
         yield
     finally:
-        for name, op in ops.items():
-            setattr(nn, name, op)
+        nn.conv = conv

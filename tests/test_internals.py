@@ -5,6 +5,7 @@ keras_autovm/internals.py again against the new version, then update
 `CHECKED_VERSIONS`. The other tests exercise each reach.
 """
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -342,8 +343,6 @@ def test_torch_allocator_settings_are_reachable():
 def _conv_run(layer, x, views):
     """A conv layer's output, its gradients, and the bytes autograd saves
     outside the input's own storage, with or without the views."""
-    import contextlib
-
     import torch
     saved = []
 
@@ -352,7 +351,7 @@ def _conv_run(layer, x, views):
         return tensor
 
     inputs = torch.tensor(x, requires_grad=True)
-    context = internals.torch_inputs_as_views() if views else contextlib.nullcontext()
+    context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs)
     grads = torch.autograd.grad((y * y).sum(), [inputs] + [v.value for v in layer.weights])
@@ -369,12 +368,10 @@ def _conv_run(layer, x, views):
     (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2)),
-    (lambda: keras.layers.MaxPooling2D(), (2, 12, 12, 4)),
-    (lambda: keras.layers.MaxPooling2D(3, strides=2, padding="same"), (2, 13, 13, 4)),
-], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d", "maxpool", "maxpool_overlapping"])
-def test_torch_inputs_as_views_computes_the_same_without_a_copy(layer, shape):
+], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d"])
+def test_torch_conv_on_views_computes_the_same_without_a_copy(layer, shape):
     from keras.src.backend.torch import nn
-    ops = (nn.conv, nn.max_pool)
+    conv, transpose = nn.conv, nn._transpose_spatial_inputs
     layer = layer()
     layer.build(shape)
     x = np.random.default_rng(0).normal(size=shape).astype("float32")
@@ -384,7 +381,48 @@ def test_torch_inputs_as_views_computes_the_same_without_a_copy(layer, shape):
     for g1, g0 in zip(grads1, grads0):
         np.testing.assert_array_equal(g1, g0)
     # Keras's own saves a copy of the input (4 bytes a value) beside the
-    # kernel's or the pooling indices; the views leave only those.
+    # kernel's; the views leave only the kernel's (smaller than the input).
     assert copied0 - copied1 >= x.size * 4
     assert copied1 < x.size * 4
-    assert (nn.conv, nn.max_pool) == ops  # Put back.
+    assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)  # Put back.
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_conv_on_views_leaves_the_layouts_downstream_as_keras_has_them():
+    """Reductions after a convolution (batch norm, pooling, a bias's
+    gradient) sum in the order of their input's layout: the views must hand
+    them Keras's layouts, forward and backward, or the numbers move."""
+    import torch
+    model = keras.Sequential([
+        keras.Input((10, 10, 3)),
+        keras.layers.Conv2D(6, 3, padding="same", activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.MaxPooling2D(),
+        keras.layers.BatchNormalization(),
+        keras.layers.Conv2D(6, 3, strides=2, padding="same"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3)])
+    x = np.random.default_rng(1).normal(size=(4, 10, 10, 3)).astype("float32")
+
+    def grads(views):
+        inputs = torch.tensor(x, requires_grad=True)
+        context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
+        with context:
+            y = model(inputs, training=True)
+        weights = [v.value for v in model.trainable_variables]
+        return [t.numpy() for t in torch.autograd.grad((y * y).sum(), [inputs] + weights)]
+
+    for with_views, without in zip(grads(True), grads(False)):
+        np.testing.assert_array_equal(with_views, without)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_conv_on_views_nests_and_keeps_keras_own():
+    from keras.src.backend.torch import nn
+    conv, transpose = nn.conv, nn._transpose_spatial_inputs
+    with internals.torch_conv_on_views():
+        wrapped = nn.conv
+        with internals.torch_conv_on_views():
+            assert nn.conv is wrapped  # Entering again changes nothing.
+        assert nn.conv is wrapped
+    assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)

@@ -66,7 +66,16 @@ def state(model):
     return {"patched": sorted(n for n in PATCHED if n in vars(model)),
             "layers": [(type(layer).__name__, layer.name) for layer in model.layers],
             "summary": "\n".join(lines), "jit_compile": model.jit_compile,
-            "weights": [w.path for w in model.weights]}
+            "weights": [w.path for w in model.weights], "keras": keras_functions()}
+
+
+def keras_functions():
+    """The Keras functions a fit may swap for its length (torch: the
+    convolution and the transpose it reads)."""
+    if BACKEND != "torch":
+        return ()
+    from keras.src.backend.torch import nn
+    return (nn.conv, nn._transpose_spatial_inputs)
 
 
 def flaky_batches(x, y, fail_at):
@@ -245,9 +254,28 @@ def test_torch_fit_runs_convolutions_on_views_and_puts_keras_back(cnn_data):
     x, y = cnn_data
     model = small_cnn()
     model.compile(optimizer="sgd", loss="mse")
+    before = keras_functions()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
         keras_autovm.AutoVM(budget="1GiB", verbose=0, apply_without_gpu=True), Probe()])
-    assert seen and all(seen) and nn.conv is conv
+    assert seen and all(seen) and keras_functions() == before
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_layers_are_measured_on_views_as_the_step_runs_them(monkeypatch):
+    from keras.src.backend.torch import nn
+
+    from keras_autovm.mechanisms.torch import mechanism as torch_mechanism
+    from keras_autovm.mechanisms.torch import profile
+    from keras_autovm.mechanisms.torch import timing
+    conv, seen = nn.conv, []
+    monkeypatch.setattr(timing, "time_call", lambda *args: seen.append(nn.conv) or (1, 1))
+    monkeypatch.setattr(profile, "measure", lambda *args: seen.append(nn.conv) or {})
+    mechanism = torch_mechanism.TorchMechanism()
+    mechanism.time_call(None, (), {}, 1)
+    with mechanism.measuring():
+        seen.append(nn.conv)
+    mechanism.adjust_graph(keras_autovm.budget.build_graph(small_cnn(), 2), small_cnn())
+    assert len(seen) == 3 and conv not in seen and nn.conv is conv
 
 
 def test_guarded_function_closes_except_at_the_end_of_data():

@@ -4,6 +4,7 @@ hooks, a pinned host pool and a copy stream (`swap.py`), which also frees
 every layer output the backward pass does not need once its last forward
 reader has run."""
 
+import contextlib
 import functools
 import gc
 import os
@@ -59,7 +60,7 @@ class TorchMechanism(Mechanism):
         """Backward readers and layer internals as measured (`profile.py`)."""
         key = (id(model), input_shapes)
         if self._profiles.get(key, (None,))[0] is not model:
-            with internals.torch_inputs_as_views():  # As the step runs them.
+            with internals.torch_conv_on_views():  # As the step runs them.
                 self._profiles[key] = (model, profile.measure(model, input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
 
@@ -79,14 +80,18 @@ class TorchMechanism(Mechanism):
         return torch.cuda.get_device_name(torch.cuda.current_device())
 
     def time_call(self, operation, args, kwargs, repeats):
-        with internals.torch_inputs_as_views():  # As the step runs them.
+        with internals.torch_conv_on_views():  # As the step runs them.
             return timing.time_call(operation, args, kwargs, repeats)
 
     def measure_link(self):
         return timing.measure_link()
 
+    @contextlib.contextmanager
     def measuring(self):
-        return timing.measuring()
+        # The measuring pass makes the inputs layers are timed on: as the
+        # step makes them.
+        with internals.torch_conv_on_views(), timing.measuring():
+            yield
 
     def peak_memory(self):
         return torch.cuda.max_memory_allocated() if self.gpu_available() else None
@@ -122,9 +127,10 @@ class TorchMechanism(Mechanism):
     def install(self, model, runtime, patches):
         """Runs each training forward pass under the step's saved-tensor
         hooks, and Keras's convolutions on views of their inputs for the
-        whole fit (`internals.torch_inputs_as_views`: Keras's own saves a copy
-        of every convolution's input; the view computes the same numbers)."""
-        patches.enter(internals.torch_inputs_as_views())
+        whole fit, in every model of the process
+        (`internals.torch_conv_on_views`: Keras's own saves a copy of every
+        convolution's input; the view computes the same numbers)."""
+        patches.enter(internals.torch_conv_on_views())
         if self.gpu_available() and expandable_segments(os.environ):
             try:
                 internals.torch_expandable_segments()
