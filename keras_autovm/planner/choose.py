@@ -39,7 +39,8 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     plans = [_run(n, graph, cost, budget, allowed) for n in names]
     fitting = [p for p in plans if p.fits]
     if not fitting:
-        lowest = min(plans, key=lambda p: p.result.peak_bytes)
+        lowest = _least(graph, cost, budget, allowed, names,
+                        min(plans, key=lambda p: p.result.peak_bytes))
         raise PlanError(
             f"No plan fits the limit of {format_bytes(budget)} with actions "
             f"{tuple(allowed)}: the lowest predicted peak is "
@@ -125,6 +126,23 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
             plan.result.peak_bytes,
         )
     return plan
+
+
+def _least(graph, cost, budget, allowed, names, lowest):
+    """The lowest-peak plan of the candidates `names`, from `lowest`, the
+    lowest they reached under `budget`. Searches that stop once they fit
+    can reach a lower peak from a budget just under the lowest seen than
+    from a far smaller one (a greedy path depends on its start), so the
+    budget steps down to just under each new lowest until no candidate
+    fits: the minimum a `PlanError` states is then refused one byte lower."""
+    while lowest.result.peak_bytes - 1 > budget:
+        below = lowest.result.peak_bytes - 1
+        fitting = [p for p in (_run(n, graph, cost, below, allowed) for n in names)
+                   if p.fits]
+        if not fitting:
+            break
+        lowest = min(fitting, key=lambda p: p.result.peak_bytes)
+    return lowest
 
 
 def _run(name, graph, cost, budget, allowed):
