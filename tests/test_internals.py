@@ -1,7 +1,7 @@
 """The private framework names keras-autovm relies on, all in one module.
 
 If a pinned framework version moves, the first test fails: read
-keras_autovm/internals.py again against the new version, then update
+keras_autovm/internals.py (and its backend halves) again against the new version, then update
 `CHECKED_VERSIONS`. The other tests exercise each reach.
 """
 
@@ -19,6 +19,7 @@ import pytest
 
 from conftest import BACKEND, data, skip_model, small_cnn
 from keras_autovm import internals
+from keras_autovm.mechanisms.torch import internals as torch_internals
 from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,7 +352,8 @@ def _conv_run(layer, x, views):
         return tensor
 
     inputs = torch.tensor(x, requires_grad=True)
-    context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
+    context = (torch_internals.torch_conv_on_views() if views
+               else contextlib.nullcontext())
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs)
     grads = torch.autograd.grad((y * y).sum(), [inputs] + [v.value for v in layer.weights])
@@ -406,7 +408,8 @@ def test_torch_conv_on_views_leaves_the_layouts_downstream_as_keras_has_them():
 
     def grads(views):
         inputs = torch.tensor(x, requires_grad=True)
-        context = internals.torch_conv_on_views() if views else contextlib.nullcontext()
+        context = (torch_internals.torch_conv_on_views() if views
+               else contextlib.nullcontext())
         with context:
             y = model(inputs, training=True)
         weights = [v.value for v in model.trainable_variables]
@@ -420,9 +423,9 @@ def test_torch_conv_on_views_leaves_the_layouts_downstream_as_keras_has_them():
 def test_torch_conv_on_views_nests_and_keeps_keras_own():
     from keras.src.backend.torch import nn
     conv, transpose = nn.conv, nn._transpose_spatial_inputs
-    with internals.torch_conv_on_views():
+    with torch_internals.torch_conv_on_views():
         wrapped = nn.conv
-        with internals.torch_conv_on_views():
+        with torch_internals.torch_conv_on_views():
             assert nn.conv is wrapped  # Entering again changes nothing.
         assert nn.conv is wrapped
     assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)

@@ -15,8 +15,8 @@ import weakref
 import keras
 import torch
 
-from keras_autovm import internals
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.torch import internals
 from keras_autovm.mechanisms.torch import profile
 from keras_autovm.mechanisms.torch import swap
 from keras_autovm.mechanisms.torch import timing
