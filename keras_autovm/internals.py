@@ -1,10 +1,11 @@
 """Every private Keras, JAX or torch name keras-autovm relies on.
 
 Nothing else in the package reaches behind a public API: when a framework
-moves, this is the file to read again, with its TensorFlow and torch halves,
-`mechanisms/tensorflow/internals.py` and `mechanisms/torch/internals.py`
-(reaches only that backend's mechanism uses). Each function says why no public API serves and which versions it
-was checked on (`CHECKED_VERSIONS`, for both files);
+moves, this is the file to read again, with its TensorFlow and torch
+halves, `mechanisms/tensorflow/internals.py` and
+`mechanisms/torch/internals.py` (reaches only that backend's mechanism
+uses). Each function says why no public API serves and which versions it
+was checked on (`CHECKED_VERSIONS`, for all three files);
 `tests/test_internals.py` fails loudly when an installed version differs
 from those, and exercises each reach.
 """
