@@ -42,8 +42,9 @@ from keras_autovm.profile_batch import timing_batch  # noqa: F401
 REPEATS = 3
 # A cached profile of another format is measured again. 4: what the timing
 # costs a call is off torch's backward times (`timing.grad_call_s`). 5: torch
-# convolutions timed on views of their inputs, as AutoVM now runs them.
-_FORMAT = 5
+# convolutions timed on views of their inputs, as AutoVM now runs them. 6: max
+# pooling on views too.
+_FORMAT = 6
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Keras's own torch training step with its convolutions on views of their
-inputs (`torch_conv_on_views` in mechanisms/torch/internals.py, as AutoVM
+inputs (`torch_inputs_on_views` in mechanisms/torch/internals.py, as AutoVM
 runs them) against Keras's copies, side by side in one process. No AutoVM.
 
     python3 recipes/gpu_torch_conv_views.py --models vgg19,resnet152 --batch 64 \
@@ -54,7 +54,7 @@ def one_model(name, batch, steps, rounds):
         for variant in order:
             model.set_weights(start)
             timer = measure.step_timer(keras)
-            context = (internals.torch_conv_on_views() if variant == "views"
+            context = (internals.torch_inputs_on_views() if variant == "views"
                        else contextlib.nullcontext())
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

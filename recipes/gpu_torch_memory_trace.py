@@ -36,8 +36,9 @@ def main():
                         help="cap torch's allocator at this many GiB and plan within "
                         "it (AutoVM's budget); 0: no cap, no budget")
     parser.add_argument("--budget-gib", type=float, default=0.0,
-                        help="AutoVM's budget without a cap (what gpu_swap.py's predict "
-                        "part does); ignored with --cap-gib")
+                        help="AutoVM's budget (default: the cap); without a cap, what "
+                        "gpu_swap.py's predict part does; under a larger cap, a plan "
+                        "that runs out of memory at its own budget runs and is traced")
     parser.add_argument("--trace-step", type=int, default=1,
                         help="which training step to trace (0: the first)")
     parser.add_argument("--peak-window", default="",
@@ -103,13 +104,10 @@ def main():
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(0).normal(size=(args.batch * 2, 224, 224, 3)).astype("float32")
     y = np.random.default_rng(1).integers(0, 1000, args.batch * 2)
-    budget = None
     if args.cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
-        budget = int(args.cap_gib * 2**30)
-    elif args.budget_gib:
-        budget = int(args.budget_gib * 2**30)
+    budget = int((args.budget_gib or args.cap_gib) * 2**30) or None
     callback = keras_autovm.AutoVM(budget=budget, policy=args.policy, verbose=0)
     error = None
     try:
@@ -118,11 +116,13 @@ def main():
     except Exception as e:  # Out of memory, no plan left: still write what was traced.
         error = f"{type(e).__name__}: {str(e)[:300]}"
     plan = callback.plan
-    predicted = predicted_points(plan)
+    if plan is None:  # The fit ended before any plan: what was traced, no plan.
+        print(f"no plan: {error}")
+    predicted = predicted_points(plan) if plan else {}
     for point in trace:
         point["predicted"] = predicted.get((point["kind"], point["op"]))
     peak = None
-    if args.peak_window:
+    if args.peak_window and (predicted or args.peak_window != "worst"):
         window = (worst_window(trace) if args.peak_window == "worst"
                   else args.peak_window.split(","))
         events = torch.cuda.memory._snapshot()["device_traces"][0]
@@ -130,8 +130,9 @@ def main():
         torch.cuda.memory._record_memory_history(enabled=None)
     out = {"model": args.model, "batch": args.batch, "policy": args.policy,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "predicted_peak": plan.result.peak_bytes, "counts": plan.counts(),
-           "persistent_bytes": plan.graph.persistent_bytes, "trace": trace,
+           "predicted_peak": plan and plan.result.peak_bytes,
+           "counts": plan and plan.counts(),
+           "persistent_bytes": plan and plan.graph.persistent_bytes, "trace": trace,
            "snapshots": snapshots, "peak_breakdown": peak,
            "cap_gib": args.cap_gib, "budget_bytes": budget, "error": error,
            "stats": callback.report.stats if callback.report else None}
@@ -152,8 +153,9 @@ def main():
         print("events around it (+ allocated, - freed):")
         for e in peak["events"]:
             print(f"  {e}")
-    print(f"predicted peak {plan.result.peak_bytes / 2**30:.2f} GiB, measured max "
-          f"{max(p['peak_since_last'] for p in trace) / 2**30:.2f} GiB")
+    measured = max((p["peak_since_last"] for p in trace), default=0)
+    print(f"predicted peak {(out['predicted_peak'] or 0) / 2**30:.2f} GiB, measured max "
+          f"{measured / 2**30:.2f} GiB")
     for p in worst[:8]:
         print(f"{p['kind']:9} {p['op']:28} allocated {p['allocated'] / 2**30:6.2f} "
               f"peak {p['peak_since_last'] / 2**30:6.2f} | predicted at {p['predicted'][0] / 2**30:6.2f}"

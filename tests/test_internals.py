@@ -342,8 +342,9 @@ def test_torch_allocator_settings_are_reachable():
 
 
 def _conv_run(layer, x, views):
-    """A conv layer's output, its gradients, and the bytes autograd saves
-    outside the input's own storage, with or without the views."""
+    """A conv or pooling layer's output, its gradients, the bytes autograd
+    saves outside the input's own storage, and the layouts (strides) of the
+    output and the input's gradient, with or without the views."""
     import torch
     saved = []
 
@@ -352,7 +353,7 @@ def _conv_run(layer, x, views):
         return tensor
 
     inputs = torch.tensor(x, requires_grad=True)
-    context = (torch_internals.torch_conv_on_views() if views
+    context = (torch_internals.torch_inputs_on_views() if views
                else contextlib.nullcontext())
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs)
@@ -361,7 +362,8 @@ def _conv_run(layer, x, views):
     other = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     other.pop(own, None)
     other.pop(y.untyped_storage().data_ptr(), None)  # What the activation saves.
-    return y.detach().numpy(), [g.numpy() for g in grads], sum(other.values())
+    layouts = (y.stride(), grads[0].stride())
+    return y.detach().numpy(), [g.numpy() for g in grads], sum(other.values()), layouts
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
@@ -370,45 +372,55 @@ def _conv_run(layer, x, views):
     (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4)),
     (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2)),
-], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d"])
-def test_torch_conv_on_views_computes_the_same_without_a_copy(layer, shape):
+    (lambda: keras.layers.MaxPooling2D(), (2, 12, 12, 4)),
+    (lambda: keras.layers.MaxPooling2D(3, 2, padding="same"), (2, 13, 13, 4)),
+    (lambda: keras.layers.MaxPooling3D(), (2, 6, 6, 6, 2)),
+], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d", "pool", "pool_3_2_same",
+        "pool_3d"])
+def test_torch_inputs_on_views_computes_the_same_without_a_copy(layer, shape):
     from keras.src.backend.torch import nn
-    conv, transpose = nn.conv, nn._transpose_spatial_inputs
+    keras_own = (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
+                 nn._transpose_spatial_outputs)
     layer = layer()
     layer.build(shape)
     x = np.random.default_rng(0).normal(size=shape).astype("float32")
-    y0, grads0, copied0 = _conv_run(layer, x, views=False)
-    y1, grads1, copied1 = _conv_run(layer, x, views=True)
+    y0, grads0, copied0, layouts0 = _conv_run(layer, x, views=False)
+    y1, grads1, copied1, layouts1 = _conv_run(layer, x, views=True)
     np.testing.assert_array_equal(y1, y0)
+    assert layouts1 == layouts0  # What reads them next sums in Keras's order.
     for g1, g0 in zip(grads1, grads0):
         np.testing.assert_array_equal(g1, g0)
     # Keras's own saves a copy of the input (4 bytes a value) beside the
     # kernel's; the views leave only the kernel's (smaller than the input).
     assert copied0 - copied1 >= x.size * 4
     assert copied1 < x.size * 4
-    assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)  # Put back.
+    assert (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
+            nn._transpose_spatial_outputs) == keras_own  # Put back.
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
-def test_torch_conv_on_views_leaves_the_layouts_downstream_as_keras_has_them():
+def test_torch_inputs_on_views_leaves_the_layouts_downstream_as_keras_has_them():
     """Reductions after a convolution (batch norm, pooling, a bias's
     gradient) sum in the order of their input's layout: the views must hand
     them Keras's layouts, forward and backward, or the numbers move."""
     import torch
     model = keras.Sequential([
-        keras.Input((10, 10, 3)),
+        keras.Input((14, 14, 3)),
         keras.layers.Conv2D(6, 3, padding="same", activation="relu"),
         keras.layers.BatchNormalization(),
         keras.layers.MaxPooling2D(),
         keras.layers.BatchNormalization(),
+        keras.layers.ZeroPadding2D(),  # ResNet's first pooling.
+        keras.layers.MaxPooling2D(3, 2),
+        keras.layers.BatchNormalization(),
         keras.layers.Conv2D(6, 3, strides=2, padding="same"),
         keras.layers.GlobalAveragePooling2D(),
         keras.layers.Dense(3)])
-    x = np.random.default_rng(1).normal(size=(4, 10, 10, 3)).astype("float32")
+    x = np.random.default_rng(1).normal(size=(4, 14, 14, 3)).astype("float32")
 
     def grads(views):
         inputs = torch.tensor(x, requires_grad=True)
-        context = (torch_internals.torch_conv_on_views() if views
+        context = (torch_internals.torch_inputs_on_views() if views
                else contextlib.nullcontext())
         with context:
             y = model(inputs, training=True)
@@ -420,12 +432,12 @@ def test_torch_conv_on_views_leaves_the_layouts_downstream_as_keras_has_them():
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
-def test_torch_conv_on_views_nests_and_keeps_keras_own():
+def test_torch_inputs_on_views_nests_and_keeps_keras_own():
     from keras.src.backend.torch import nn
     conv, transpose = nn.conv, nn._transpose_spatial_inputs
-    with torch_internals.torch_conv_on_views():
+    with torch_internals.torch_inputs_on_views():
         wrapped = nn.conv
-        with torch_internals.torch_conv_on_views():
+        with torch_internals.torch_inputs_on_views():
             assert nn.conv is wrapped  # Entering again changes nothing.
         assert nn.conv is wrapped
     assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)
