@@ -18,7 +18,10 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   and recompute, and AutoVM with swap. AutoVM's own planner predicts its
   largest batch, which is then run (and stepped down 10% at a time while it
   runs out of memory, up while it trains); so is in-core's, from the
-  keep-all plan; RematScope is searched by bisection above in-core's.
+  keep-all plan; RematScope is searched by bisection above in-core's, and
+  so is `incore_views` (torch, not in the default methods): Keras's own
+  step with its convolutions and max pooling on views of their inputs, as
+  AutoVM runs them, without AutoVM.
   With `SWAP_IN_AUTO=1` in the environment, `autovm_swap`'s `auto` may
   swap on a backend whose `auto` does not swap yet (TensorFlow's explicit
   swap), to measure what it would do.
@@ -138,7 +141,8 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
         y = rng.integers(0, 1000, batch * steps)
-        with auto_choosing(method), warnings.catch_warnings(record=True) as said:
+        with auto_choosing(method), inputs_on_views(method), \
+                warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
                 model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
@@ -163,6 +167,15 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         out["reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     free(backend)
     return out
+
+
+def inputs_on_views(method):
+    """Keras's torch convolutions and max pooling on views for
+    `incore_views` (AutoVM turns them on for its own fits)."""
+    if method != "incore_views":
+        return contextlib.nullcontext()
+    from keras_autovm.mechanisms.torch import internals
+    return internals.torch_inputs_on_views()
 
 
 def plan_facts(callback):
