@@ -367,17 +367,20 @@ def _conv_run(layer, x, views):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
-@pytest.mark.parametrize("layer,shape", [
-    (lambda: keras.layers.Conv2D(6, 3, padding="same", activation="relu"), (2, 12, 12, 4)),
-    (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4)),
-    (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4)),
-    (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2)),
-    (lambda: keras.layers.MaxPooling2D(), (2, 12, 12, 4)),
-    (lambda: keras.layers.MaxPooling2D(3, 2, padding="same"), (2, 13, 13, 4)),
-    (lambda: keras.layers.MaxPooling3D(), (2, 6, 6, 6, 2)),
+@pytest.mark.parametrize("layer,shape,padded", [
+    (lambda: keras.layers.Conv2D(6, 3, padding="same", activation="relu"), (2, 12, 12, 4), 0),
+    (lambda: keras.layers.Conv2D(6, 3, strides=2), (2, 12, 12, 4), 0),
+    (lambda: keras.layers.Conv2D(6, 3, padding="same", groups=2), (2, 12, 12, 4), 0),
+    (lambda: keras.layers.Conv3D(3, 3, padding="same"), (2, 6, 6, 6, 2), 0),
+    (lambda: keras.layers.MaxPooling2D(), (2, 12, 12, 4), 0),
+    (lambda: keras.layers.MaxPooling2D(3, 2, padding="same"), (2, 13, 13, 4), 0),
+    # Padding (0, 1): Keras pads the input itself (replicate), a 13 x 13
+    # copy saved both ways.
+    (lambda: keras.layers.MaxPooling2D(3, 2, padding="same"), (2, 12, 12, 4), 2 * 13 * 13 * 4),
+    (lambda: keras.layers.MaxPooling3D(), (2, 6, 6, 6, 2), 0),
 ], ids=["2d_same_relu", "2d_strided", "2d_groups", "3d", "pool", "pool_3_2_same",
-        "pool_3d"])
-def test_torch_inputs_on_views_computes_the_same_without_a_copy(layer, shape):
+        "pool_3_2_same_uneven", "pool_3d"])
+def test_torch_inputs_on_views_computes_the_same_without_a_copy(layer, shape, padded):
     from keras.src.backend.torch import nn
     keras_own = (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
                  nn._transpose_spatial_outputs)
@@ -391,9 +394,10 @@ def test_torch_inputs_on_views_computes_the_same_without_a_copy(layer, shape):
     for g1, g0 in zip(grads1, grads0):
         np.testing.assert_array_equal(g1, g0)
     # Keras's own saves a copy of the input (4 bytes a value) beside the
-    # kernel's; the views leave only the kernel's (smaller than the input).
+    # kernel's or the pooling's indices; the views leave only those
+    # (smaller than the input) and, where Keras pads, the padded copy.
     assert copied0 - copied1 >= x.size * 4
-    assert copied1 < x.size * 4
+    assert copied1 < (x.size + padded) * 4
     assert (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
             nn._transpose_spatial_outputs) == keras_own  # Put back.
 
@@ -434,10 +438,60 @@ def test_torch_inputs_on_views_leaves_the_layouts_downstream_as_keras_has_them()
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
 def test_torch_inputs_on_views_nests_and_keeps_keras_own():
     from keras.src.backend.torch import nn
-    conv, transpose = nn.conv, nn._transpose_spatial_inputs
+    own = (nn.conv, nn.max_pool, nn._transpose_spatial_inputs, nn._transpose_spatial_outputs)
     with torch_internals.torch_inputs_on_views():
-        wrapped = nn.conv
+        wrapped = (nn.conv, nn.max_pool)
         with torch_internals.torch_inputs_on_views():
-            assert nn.conv is wrapped  # Entering again changes nothing.
-        assert nn.conv is wrapped
-    assert (nn.conv, nn._transpose_spatial_inputs) == (conv, transpose)
+            assert (nn.conv, nn.max_pool) == wrapped  # Entering again changes nothing.
+        assert (nn.conv, nn.max_pool) == wrapped
+    assert (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
+            nn._transpose_spatial_outputs) == own
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_inputs_on_views_puts_keras_own_back_while_another_thread_convolves():
+    """A fit that ends while another thread is inside a wrapped `conv`, and
+    a fit that starts then: Keras's own transpose comes back, not the view."""
+    import threading
+
+    from keras.src.backend.torch import nn
+    transpose = nn._transpose_spatial_inputs
+    inside, leave = threading.Event(), threading.Event()
+
+    def kernel_then_wait(kernel):  # Runs inside the wrapped `conv`.
+        inside.set()
+        leave.wait(10)
+        return kernel
+
+    layer = keras.layers.Conv2D(2, 3)
+    layer.build((1, 5, 5, 1))
+    first = torch_internals.torch_inputs_on_views()
+    first.__enter__()
+    keras_kernel = nn._transpose_conv_kernel
+    nn._transpose_conv_kernel = lambda k: keras_kernel(kernel_then_wait(k))
+    thread = threading.Thread(target=layer, args=(np.ones((1, 5, 5, 1), "float32"),))
+    try:
+        thread.start()
+        assert inside.wait(10)
+        first.__exit__(None, None, None)
+        nn._transpose_conv_kernel = keras_kernel
+        with torch_internals.torch_inputs_on_views():  # Entered mid-call.
+            leave.set()
+            thread.join(10)
+            layer(np.ones((1, 5, 5, 1), "float32"))  # Puts back what it took as Keras's.
+    finally:
+        nn._transpose_conv_kernel = keras_kernel
+        leave.set()
+        thread.join(10)
+    assert nn._transpose_spatial_inputs is transpose
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
+def test_torch_max_pool_on_views_compiles_without_a_graph_break():
+    import torch
+    layer = keras.layers.MaxPooling2D()
+    x = torch.randn(2, 8, 8, 3, requires_grad=True)
+    with torch_internals.torch_inputs_on_views():
+        compiled = torch.compile(lambda t: layer(t), backend="aot_eager", fullgraph=True)
+        y = compiled(x)
+    np.testing.assert_array_equal(y.detach().numpy(), layer(x).detach().numpy())

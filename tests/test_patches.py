@@ -71,11 +71,12 @@ def state(model):
 
 def keras_functions():
     """The Keras functions a fit may swap for its length (torch: the
-    convolution and the transpose it reads)."""
+    convolution, max pooling and the transposes they read)."""
     if BACKEND != "torch":
         return ()
     from keras.src.backend.torch import nn
-    return (nn.conv, nn._transpose_spatial_inputs)
+    return (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
+            nn._transpose_spatial_outputs)
 
 
 def flaky_batches(x, y, fail_at):
@@ -244,12 +245,12 @@ def test_entered_contexts_exit_on_close_in_order():
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch convolution")
 def test_torch_fit_runs_convolutions_on_views_and_puts_keras_back(cnn_data):
     from keras.src.backend.torch import nn
-    conv = nn.conv
+    conv, max_pool = nn.conv, nn.max_pool
     seen = []
 
     class Probe(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            seen.append(nn.conv is not conv)
+            seen.append(nn.conv is not conv and nn.max_pool is not max_pool)
 
     x, y = cnn_data
     model = small_cnn()

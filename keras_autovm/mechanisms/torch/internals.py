@@ -35,86 +35,79 @@ def torch_inputs_on_views():
     view of a contiguous channels-last tensor already has a convolution's
     strides, so it gets the same bytes in the same layout from the input's
     own storage, and its output and the input's gradient come back in
-    Keras's layouts: the same numbers. Max pooling on the view picks the
-    same maxima, but its output and its input's gradient come back
-    channels-last where Keras's are channels-first, and a reduction reading
-    them (batch normalization, a bias's gradient) would sum in another
-    order; so both are put back in Keras's layout (`_KerasPoolLayouts`), a
-    copy of the output (a quarter of the input for a 2x2 pool) and of the
-    gradient while it is made, instead of one of the input for the whole
-    step. No public API chooses the layout these hand torch; they read the
-    module's `_transpose_spatial_inputs`/`_outputs` when called, and this
-    swaps those only while they run. Inputs of other layouts (1D,
-    non-contiguous) get Keras's own. Entering it again while it is on
-    changes nothing. Keras 3.15.1.
+    Keras's layouts: the same numbers. No public API chooses the layout
+    `conv` hands torch; it reads the module's `_transpose_spatial_inputs`
+    when called, and this swaps that only while `conv` runs (a thread
+    calling Keras's `conv`, `conv_transpose` or average pooling meanwhile
+    would see it). Max pooling runs Keras's own channels-first `max_pool`
+    on the view instead (no swap): it picks the same maxima, but its output
+    and its input's gradient come back channels-last where Keras's are
+    channels-first, and a reduction reading them (batch normalization, a
+    bias's gradient) would sum in another order, so both are copied to
+    Keras's layouts (`_grad_layout_function`): a copy of the output (a
+    quarter of the input for a 2x2 pool), and of the gradient while it is
+    made, instead of one of the input for the whole step. Inputs of other
+    layouts (1D, non-contiguous) get Keras's own. Entering it again while
+    it is on changes nothing. Keras 3.15.1.
     """
     import torch
     from keras.src.backend.torch import nn
 
-    if getattr(nn.conv, "_autovm_views", False):  # Already on (nested).
+    conv, max_pool = nn.conv, nn.max_pool
+    if getattr(conv, "_autovm_views", False):  # Already on (nested).
         yield
         return
     # Keras's own, even if another thread is inside a wrapped call now.
-    keras_in, keras_out = (getattr(f, "_autovm_original", f) for f in
-                           (nn._transpose_spatial_inputs, nn._transpose_spatial_outputs))
+    transpose = getattr(nn._transpose_spatial_inputs, "_autovm_original",
+                        nn._transpose_spatial_inputs)
     layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
+    # Made here, not inside a call torch.compile may trace.
+    grad_layout = _grad_layout_function()
 
     def view_of(inputs):
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim not in layouts:
+            return None
         view = inputs.permute(0, inputs.ndim - 1, *range(1, inputs.ndim - 1))
-        layout = layouts.get(inputs.ndim)
-        return view if layout and view.is_contiguous(memory_format=layout) else None
+        return view if view.is_contiguous(memory_format=layouts[inputs.ndim]) else None
 
-    def conv_input(inputs):
+    def as_view(inputs):
         view = view_of(inputs)
-        return keras_in(inputs) if view is None else view
+        return transpose(inputs) if view is None else view
 
-    def pool_input(inputs):
-        view = view_of(inputs)
-        return keras_in(inputs) if view is None else _keras_grad_layout(view)
+    as_view._autovm_original = transpose
 
-    def pool_output(outputs):  # Keras's own is a permuted contiguous tensor.
-        return keras_out(outputs.contiguous())
+    @functools.wraps(conv)
+    def conv_on_view(*args, **kwargs):
+        nn._transpose_spatial_inputs = as_view
+        try:
+            return conv(*args, **kwargs)
+        finally:
+            nn._transpose_spatial_inputs = transpose
 
-    for function, original in ((conv_input, keras_in), (pool_input, keras_in),
-                               (pool_output, keras_out)):
-        function._autovm_original = original
-    originals = {"conv": nn.conv, "max_pool": nn.max_pool}
-    nn.conv = _swapping(nn, nn.conv, _transpose_spatial_inputs=conv_input)
-    nn.max_pool = _swapping(nn, nn.max_pool, _transpose_spatial_inputs=pool_input,
-                            _transpose_spatial_outputs=pool_output)
+    @functools.wraps(max_pool)
+    def max_pool_on_view(inputs, pool_size, strides=None, padding="valid",
+                         data_format=None):
+        channels_last = nn.backend.standardize_data_format(data_format) == "channels_last"
+        view = view_of(inputs) if channels_last else None
+        if view is None:
+            return max_pool(inputs, pool_size, strides, padding, data_format)
+        outputs = max_pool(grad_layout.apply(view), pool_size, strides, padding,
+                           "channels_first")
+        # Keras's own output is a channels-last view of a contiguous tensor.
+        return nn._transpose_spatial_outputs(outputs.contiguous())
+
+    conv_on_view._autovm_views = max_pool_on_view._autovm_views = True
+    nn.conv, nn.max_pool = conv_on_view, max_pool_on_view
     try:
         yield
     finally:
-        for name, function in originals.items():
-            setattr(nn, name, function)
-
-
-def _swapping(module, function, **names):
-    """`function` with `module`'s globals `names` replaced while it runs."""
-    keras_own = {name: getattr(module, name) for name in names}
-
-    @functools.wraps(function)
-    def wrapped(*args, **kwargs):
-        for name, value in names.items():
-            setattr(module, name, value)
-        try:
-            return function(*args, **kwargs)
-        finally:
-            for name, value in keras_own.items():
-                setattr(module, name, value)
-
-    wrapped._autovm_views = True
-    return wrapped
-
-
-def _keras_grad_layout(view):
-    """`view` itself, whose gradient comes back contiguous channels-first,
-    the layout of the gradient of Keras's copy."""
-    return _grad_layout_function().apply(view)
+        nn.conv, nn.max_pool = conv, max_pool
 
 
 @functools.cache
 def _grad_layout_function():
+    """An identity whose gradient comes back contiguous channels-first, the
+    layout of the gradient of Keras's copy."""
     import torch
 
     class KerasGradLayout(torch.autograd.Function):
