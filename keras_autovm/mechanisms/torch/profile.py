@@ -4,19 +4,20 @@ Keras's torch layers do not save for the backward pass exactly the layer's
 inputs and outputs that the planner's table assumes: a channels-last
 convolution or max pooling saves a copy of its input instead of the input
 (unless it runs on a view, `mechanisms/torch/internals.py`'s
-`torch_inputs_on_views`, as the mechanism has it measured), batch normalization saves intermediates of its
-own. `measure(model)` runs the forward pass twice at small batch sizes
-(under `keras.StatelessScope`, so no layer state changes) with saved-tensor
-hooks, and records for each layer call which of its input and output
-tensors autograd saved and how many bytes of other tensors it saved. On a
-GPU the runs also go backward, and each call's transient memory is
-measured: the most allocated, within its forward or its backward, above
-what was allocated before and after it (the temporaries Keras's torch
-layers make: layout copies, normalization intermediates, the convolution
-workspace). `adjust(graph, profile)` then makes a planner graph say what
-was measured: backward readers from what was saved, one tensor
-`f"{op}:saved"` per call for the rest, and the transient memory as the op's
-workspace, each sized `fixed + per_sample * batch_size` from the two runs.
+`torch_inputs_on_views`, as the mechanism has it measured), batch
+normalization saves intermediates of its own. `measure(model)` runs the
+forward pass twice at small batch sizes (under `keras.StatelessScope`, so
+no layer state changes) with saved-tensor hooks, and records for each layer
+call which of its input and output tensors autograd saved and how many
+bytes of other tensors it saved. On a GPU the runs also go backward, and
+each call's transient memory is measured: the most allocated, within its
+forward or its backward, above what was allocated before and after it (the
+temporaries Keras's torch layers make: layout copies, normalization
+intermediates, the convolution workspace). `adjust(graph, profile)` then
+makes a planner graph say what was measured: backward readers from what was
+saved, one tensor `f"{op}:saved"` per call for the rest, and the transient
+memory as the op's workspace, each sized `fixed + per_sample * batch_size`
+from the two runs.
 """
 
 import dataclasses
