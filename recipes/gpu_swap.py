@@ -174,7 +174,7 @@ def inputs_on_views(method):
     `incore_views` (AutoVM turns them on for its own fits)."""
     if method != "incore_views":
         return contextlib.nullcontext()
-    from keras_autovm.mechanisms.torch import internals
+    from keras_autovm import internals
     return internals.torch_inputs_on_views()
 
 

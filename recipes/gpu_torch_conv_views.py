@@ -1,5 +1,5 @@
 """Keras's own torch training step with its convolutions on views of their
-inputs (`torch_inputs_on_views` in mechanisms/torch/internals.py, as AutoVM
+inputs (`torch_inputs_on_views` in keras_autovm/internals.py, as AutoVM
 runs them) against Keras's copies, side by side in one process. No AutoVM.
 
     python3 recipes/gpu_torch_conv_views.py --models vgg19,resnet152 --batch 64 \
@@ -36,7 +36,7 @@ def one_model(name, batch, steps, rounds):
     import numpy as np
     import torch
 
-    from keras_autovm.mechanisms.torch import internals
+    from keras_autovm import internals
 
     torch.backends.cudnn.deterministic = True
     keras.utils.set_random_seed(0)

@@ -19,7 +19,6 @@ import pytest
 
 from conftest import BACKEND, data, skip_model, small_cnn
 from keras_autovm import internals
-from keras_autovm.mechanisms.torch import internals as torch_internals
 from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,7 +352,7 @@ def _conv_run(layer, x, views):
         return tensor
 
     inputs = torch.tensor(x, requires_grad=True)
-    context = (torch_internals.torch_inputs_on_views() if views
+    context = (internals.torch_inputs_on_views() if views
                else contextlib.nullcontext())
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs)
@@ -424,7 +423,7 @@ def test_torch_inputs_on_views_leaves_the_layouts_downstream_as_keras_has_them()
 
     def grads(views):
         inputs = torch.tensor(x, requires_grad=True)
-        context = (torch_internals.torch_inputs_on_views() if views
+        context = (internals.torch_inputs_on_views() if views
                else contextlib.nullcontext())
         with context:
             y = model(inputs, training=True)
@@ -439,9 +438,9 @@ def test_torch_inputs_on_views_leaves_the_layouts_downstream_as_keras_has_them()
 def test_torch_inputs_on_views_nests_and_keeps_keras_own():
     from keras.src.backend.torch import nn
     own = (nn.conv, nn.max_pool, nn._transpose_spatial_inputs, nn._transpose_spatial_outputs)
-    with torch_internals.torch_inputs_on_views():
+    with internals.torch_inputs_on_views():
         wrapped = (nn.conv, nn.max_pool)
-        with torch_internals.torch_inputs_on_views():
+        with internals.torch_inputs_on_views():
             assert (nn.conv, nn.max_pool) == wrapped  # Entering again changes nothing.
         assert (nn.conv, nn.max_pool) == wrapped
     assert (nn.conv, nn.max_pool, nn._transpose_spatial_inputs,
@@ -465,7 +464,7 @@ def test_torch_inputs_on_views_puts_keras_own_back_while_another_thread_convolve
 
     layer = keras.layers.Conv2D(2, 3)
     layer.build((1, 5, 5, 1))
-    first = torch_internals.torch_inputs_on_views()
+    first = internals.torch_inputs_on_views()
     first.__enter__()
     keras_kernel = nn._transpose_conv_kernel
     nn._transpose_conv_kernel = lambda k: keras_kernel(kernel_then_wait(k))
@@ -475,7 +474,7 @@ def test_torch_inputs_on_views_puts_keras_own_back_while_another_thread_convolve
         assert inside.wait(10)
         first.__exit__(None, None, None)
         nn._transpose_conv_kernel = keras_kernel
-        with torch_internals.torch_inputs_on_views():  # Entered mid-call.
+        with internals.torch_inputs_on_views():  # Entered mid-call.
             leave.set()
             thread.join(10)
             layer(np.ones((1, 5, 5, 1), "float32"))  # Puts back what it took as Keras's.
@@ -491,7 +490,7 @@ def test_torch_max_pool_on_views_compiles_without_a_graph_break():
     import torch
     layer = keras.layers.MaxPooling2D()
     x = torch.randn(2, 8, 8, 3, requires_grad=True)
-    with torch_internals.torch_inputs_on_views():
+    with internals.torch_inputs_on_views():
         compiled = torch.compile(lambda t: layer(t), backend="aot_eager", fullgraph=True)
         y = compiled(x)
     np.testing.assert_array_equal(y.detach().numpy(), layer(x).detach().numpy())

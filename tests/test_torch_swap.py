@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from keras_autovm.mechanisms.torch import internals as torch_internals
+from keras_autovm import internals
 from keras_autovm import mechanisms
 from conftest import BACKEND, data, skip_model, small_cnn
 
@@ -44,7 +44,7 @@ def test_profile_finds_what_torch_layers_save():
     assert saved["c2"].internal[1] == 16 * 16 * 8 * 4
     # Run as AutoVM runs it, on a view of its input, it saves the input
     # itself: no copy per sample (the kernel's channels-last copy is left).
-    with torch_internals.torch_inputs_on_views():
+    with internals.torch_inputs_on_views():
         viewed = profile.measure(small_cnn())
     assert {"r1", "c2"} <= viewed["c2"].tags and viewed["c2"].internal[1] == 0
     # A ReLU layer saves its output; batch norm its input.

@@ -15,6 +15,7 @@ import weakref
 import keras
 import torch
 
+from keras_autovm import internals as keras_internals
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.torch import internals
 from keras_autovm.mechanisms.torch import profile
@@ -60,7 +61,7 @@ class TorchMechanism(Mechanism):
         """Backward readers and layer internals as measured (`profile.py`)."""
         key = (id(model), input_shapes)
         if self._profiles.get(key, (None,))[0] is not model:
-            with internals.torch_inputs_on_views():  # As the step runs them.
+            with keras_internals.torch_inputs_on_views():  # As the step runs them.
                 self._profiles[key] = (model, profile.measure(model, input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
 
@@ -80,7 +81,7 @@ class TorchMechanism(Mechanism):
         return torch.cuda.get_device_name(torch.cuda.current_device())
 
     def time_call(self, operation, args, kwargs, repeats):
-        with internals.torch_inputs_on_views():  # As the step runs them.
+        with keras_internals.torch_inputs_on_views():  # As the step runs them.
             return timing.time_call(operation, args, kwargs, repeats)
 
     def measure_link(self):
@@ -90,7 +91,7 @@ class TorchMechanism(Mechanism):
     def measuring(self):
         # The measuring pass makes the inputs layers are timed on: as the
         # step makes them.
-        with internals.torch_inputs_on_views(), timing.measuring():
+        with keras_internals.torch_inputs_on_views(), timing.measuring():
             yield
 
     def peak_memory(self):
@@ -128,9 +129,9 @@ class TorchMechanism(Mechanism):
         """Runs each training forward pass under the step's saved-tensor
         hooks, and Keras's convolutions and max pooling on views of their
         inputs for the whole fit, in every model of the process
-        (`internals.torch_inputs_on_views`: Keras's own saves a copy of each
-        one's input; the view computes the same numbers)."""
-        patches.enter(internals.torch_inputs_on_views())
+        (`keras_autovm.internals.torch_inputs_on_views`: Keras's own saves
+        a copy of each one's input; the view computes the same numbers)."""
+        patches.enter(keras_internals.torch_inputs_on_views())
         if self.gpu_available() and expandable_segments(os.environ):
             try:
                 internals.torch_expandable_segments()

@@ -3,7 +3,7 @@
 Keras's torch layers do not save for the backward pass exactly the layer's
 inputs and outputs that the planner's table assumes: a channels-last
 convolution or max pooling saves a copy of its input instead of the input
-(unless it runs on a view, `mechanisms/torch/internals.py`'s
+(unless it runs on a view, `keras_autovm/internals.py`'s
 `torch_inputs_on_views`, as the mechanism has it measured), batch
 normalization saves intermediates of its own. `measure(model)` runs the
 forward pass twice at small batch sizes (under `keras.StatelessScope`, so
