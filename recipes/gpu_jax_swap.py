@@ -4,8 +4,8 @@
     python3 recipes/gpu_jax_swap.py --smoke --out /tmp/smoke.json   # CPU, tiny
 
 VGG-19 (224x224) at two batch sizes (`--batches`, default 64,128). For each
-batch: a reference in-core run without a cap and without jit (the swap
-step runs without jit, so this reference should match it bit for bit),
+batch: a reference in-core run without a cap, without jit (`reference`)
+or with it (`incore`; the first of them run gives the reference weights),
 then under an allocator cap (`--cap-gib`, through
 XLA_PYTHON_CLIENT_MEM_FRACTION) AutoVM with `keep_all`, `offload_all` and
 `greedy_offload` (budget: the cap). Each run is its own process (JAX's peak
@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # gpu_swap: versions and the GPU's memory.
 GiB = 2**30
 POLICIES = ("keep_all", "offload_all", "greedy_offload")
-# Plain Keras, jitted, under the same cap: what a user gets without AutoVM.
-PEERS = ("keras_jit",)
+# Plain Keras, jitted: under the same cap (what a user gets without AutoVM),
+# and without a cap (the in-core reference for step times).
+PEERS = ("keras_jit", "incore")
+UNCAPPED = ("reference", "incore")
 
 
 # ------------------------------------------------------------ in the child
@@ -63,7 +65,11 @@ def child(args):
     import numpy as np
 
     out = {"batch": args.batch, "policy": args.policy}
-    model = build(args.smoke, jit=args.policy == "keras_jit")
+    samples = sample_memory() if args.trace_memory else None
+    if args.run_ahead != "default":
+        from keras_autovm.mechanisms.jax import mechanism
+        mechanism.JaxMechanism.run_ahead = None if args.run_ahead == "none" else int(args.run_ahead)
+    model = build(args.smoke, jit=args.policy in ("keras_jit", "incore"))
     size, classes = (32, 10) if args.smoke else (224, 1000)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, size, size, 3)).astype("float32")
@@ -91,7 +97,7 @@ def child(args):
                bytes_limit=stats.get("bytes_limit"))
     weights = model.get_weights()
     reference = os.path.join(args.workdir, f"reference_b{args.batch}.npz")
-    if args.policy == "reference":
+    if args.policy in UNCAPPED and not os.path.exists(reference):
         np.savez(reference, *weights)
     elif os.path.exists(reference):
         saved = np.load(reference)
@@ -105,7 +111,46 @@ def child(args):
                    bytes_to_host_per_step=report.stats.get("bytes_to_host", 0) / steps,
                    bytes_to_device_per_step=report.stats.get("bytes_to_device", 0) / steps,
                    stats=report.stats)
+    if samples is not None:
+        # Per step: the most in use after a call, and the process's peak
+        # when the step began; the first step's samples in full.
+        out["step_peak_bytes_in_use"] = [max(n for n, _ in s) for s in samples[1:]]
+        out["peak_at_step_begin"] = [s[0][1] for s in samples[1:]]
+        out["first_step_samples"] = samples[1] if len(samples) > 1 else None
     return out
+
+
+def sample_memory():
+    """Device bytes in use after each compiled call of AutoVM's eager step
+    is enqueued (PjRt allocates a program's buffers when it is enqueued),
+    one list per step; `peak_bytes_in_use` cannot be reset, and the first
+    step's includes compiling (autotuning) the programs."""
+    import jax
+    from keras_autovm.mechanisms.jax import calls, mechanism
+
+    samples = [[(0, 0)]]  # Before the first step (profiling, building).
+    init, eager_loss = calls.CompiledCall.__init__, mechanism.JaxMechanism._eager_loss
+
+    def sampled(function):
+        def call(*args):
+            result = function(*args)
+            stats = jax.devices()[0].memory_stats() or {}
+            samples[-1].append((stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)))
+            return result
+        return call
+
+    def init_sampled(self, *args):
+        init(self, *args)
+        self.forward, self.backward = sampled(self.forward), sampled(self.backward)
+
+    def eager_loss_sampled(self, *args):
+        stats = jax.devices()[0].memory_stats() or {}
+        samples.append([(stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0))])
+        return eager_loss(self, *args)
+
+    calls.CompiledCall.__init__ = init_sampled
+    mechanism.JaxMechanism._eager_loss = eager_loss_sampled
+    return samples
 
 
 def timer():
@@ -133,14 +178,16 @@ def timer():
 # ------------------------------------------------------------ the parent
 
 
-def spawn(args, batch, policy, capped):
+def spawn(args, batch, policy, capped, steps=None):
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONUNBUFFERED="1")
     if capped and not args.smoke:
         import gpu_swap
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.cap_gib / gpu_swap._total_gib():.4f}"
     cmd = [sys.executable, __file__, "--child", "--batch", str(batch), "--policy", policy,
-           "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
-           "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
+           "--steps", str(steps or args.steps), "--cap-gib", str(args.cap_gib),
+           "--workdir", args.workdir] + (["--smoke"] if args.smoke else []) + (
+               ["--trace-memory"] if args.trace_memory else []) + [
+               "--run-ahead", args.run_ahead]
     start = time.time()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -176,6 +223,11 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny CNN on the CPU")
     parser.add_argument("--out", default=None)
     parser.add_argument("--workdir", default="/tmp/gpu_jax_swap")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="bytes in use after each compiled call, per step")
+    parser.add_argument("--run-ahead", default="default",
+                        help="compiled calls AutoVM's eager step may enqueue ahead (none: unbounded)")
+    parser.add_argument("--uncapped", action="store_true", help="AutoVM runs without a cap")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
@@ -189,8 +241,15 @@ def main():
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
                "versions": versions(args.smoke), "runs": []}
     for batch in batches:
+        if not args.smoke:
+            # AutoVM measures the layers in its first fit and caches them:
+            # a fit of its own here, so that the runs below read the cache
+            # and their peaks (JAX cannot reset one) are their training's.
+            results["profiling"] = results.get("profiling", []) + [
+                spawn(args, batch, "keep_all", capped=False, steps=1)]
         for policy in args.policies.split(","):
-            run = spawn(args, batch, policy, capped=policy != "reference")
+            capped = policy not in UNCAPPED and not (args.uncapped and policy in POLICIES)
+            run = spawn(args, batch, policy, capped=capped)
             results["runs"].append(run)
             print(line(run), flush=True)
             if args.out:

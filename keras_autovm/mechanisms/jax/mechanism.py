@@ -19,12 +19,15 @@ from jax.ad_checkpoint import checkpoint_name
 from keras_autovm import internals
 from keras_autovm.planner import format_bytes
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.jax import calls
 from keras_autovm.mechanisms.jax import compiled
 from keras_autovm.mechanisms.jax import swap
 from keras_autovm.mechanisms.jax import timing
 
 # How far (in link time) the forward may run ahead of its copies to host.
 IN_FLIGHT_SECONDS = 0.05
+# Compiled calls an eager step may enqueue ahead of the device (`SwapStep.enqueued`).
+RUN_AHEAD = 2
 # Plans made again, at most, when XLA's compiled step exceeds the budget.
 MAX_CHECKS = 3
 
@@ -38,6 +41,8 @@ class JaxMechanism(Mechanism):
     #: `"copies"`: swap by explicit host copies, without jit (`swap.py`);
     #: `"xla_offload"`: by XLA's host offload inside the jitted step.
     swap_mode = "copies"
+    #: Compiled calls an eager step may enqueue ahead of the device.
+    run_ahead = RUN_AHEAD
 
     def __init__(self):
         super().__init__()
@@ -47,12 +52,14 @@ class JaxMechanism(Mechanism):
         self.stats.update(dict.fromkeys(
             ("eager_steps", "bytes_to_host", "bytes_to_device", "bytes_freed",
              "copy_backs_prefetched", "copy_backs_at_use", "in_flight_waits",
-             "max_in_flight_bytes", "recomputed_calls", "swaps_kept_on_device"), 0))
+             "max_in_flight_bytes", "recomputed_calls", "swaps_kept_on_device",
+             "compiled_calls", "run_ahead_waits"), 0))
         self.events = []  # The last eager step's backward events (`swap.SwapStep`).
         self._eager = False  # Set by `install` when the policy may swap.
         self._step = None  # The `swap.SwapStep` of the step running.
         self._unchanged = {}  # AppliedPlan -> whether it runs unchanged.
         self._peaks = {}  # (batch size, actions) -> XLA's peak (`_xla_peak`).
+        self._compiled = {}  # Eager steps' compiled calls (`calls.call_key`).
 
     def actions(self):
         return ("keep", "swap", "recompute")
@@ -61,9 +68,11 @@ class JaxMechanism(Mechanism):
         """No swaps. XLA's offload kept the device footprint far above the
         plan (VGG-19, results/gpu_vgg19_memory.json: offload_all 17.57 GiB
         on device for a planned 8.3 GiB). The host copies (`swap.py`) free
-        memory, but only in an unjitted step, which on an H100 needed more
-        memory and time than Keras's jitted one and 2.2x the planned peak
-        (results/jax/gpu_jax_swap_cap12.json). To let `auto` swap by copies,
+        memory, but only in a step run without jit, as a compiled program
+        per layer: on an H200 (results/jax/compiled_calls/) VGG-19 kept
+        within 1.15x of the planned bytes in use after its first step, but
+        that step's autotuning needed 2.6x, and keeping everything that way
+        ran at 0.40x Keras's jitted step. To let `auto` swap by copies,
         return `self.actions()` here when `self.swap_mode == "copies"`."""
         return ("keep", "recompute")
 
@@ -112,8 +121,9 @@ class JaxMechanism(Mechanism):
         planner assumes: measured on VGG-19 (results/gpu_vgg19_memory.json),
         XLA's own choice keeps about twice the planned bytes. Layers with
         state (batch norm) are left alone: their updates may not leave a
-        `jax.checkpoint`. In an eager swap step, a layer reading a swapped
-        tensor runs under the swap's `custom_vjp` (`swap.SwapStep.call`).
+        `jax.checkpoint`. In an eager swap step every layer runs under the
+        swap's `custom_vjp` instead (`swap.SwapStep.call`), which recomputes
+        layers with state too, as compiled programs.
         """
         step = self._step if applied is not None else None
         if step is not None:
@@ -121,12 +131,13 @@ class JaxMechanism(Mechanism):
             leaves = keras.tree.flatten(structure)
             found = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
             arrays = [leaves[i] for i in found]
-            if any(step.holds(x) for x in arrays):
-                if any(isinstance(x, jax.Array) for x in keras.tree.flatten(kwargs)):
-                    step.pin(arrays)  # An array keyword (a mask): run as is.
-                else:
-                    return step.call(_rebuild(layer, structure, leaves, found, kwargs),
-                                     arrays, _variables([layer]), layer.name)
+            if any(isinstance(x, jax.Array) for x in keras.tree.flatten(kwargs)):
+                step.pin(arrays)  # An array keyword (a mask): run as is.
+            elif arrays and all(internals.jax_concrete(x) is not None for x in arrays):
+                variables = _variables([layer])
+                key = calls.call_key(layer, structure, leaves, found, kwargs, variables)
+                return step.call(_rebuild(layer, structure, leaves, found, kwargs),
+                                 arrays, variables, layer.name, key)
         if applied is None or layer.non_trainable_variables:
             return layer(inputs, *args, **kwargs)
         return self.recompute(lambda x, *a: layer(x, *a, **kwargs))(inputs, *args)
@@ -137,11 +148,16 @@ class JaxMechanism(Mechanism):
         if self._step is None:
             return super().run_segment(segment, inputs)
         flat = keras.tree.flatten(inputs)
+        # Its structure only: the compiled call keeps `run` (see `_rebuild`).
+        structure = keras.tree.map_structure(lambda _: None, inputs)
 
         def run(*xs):
-            return segment.run_layers(keras.tree.pack_sequence_as(inputs, list(xs)))
+            return segment.run_layers(keras.tree.pack_sequence_as(structure, list(xs)))
 
-        return self._step.call(run, flat, _variables(segment.layers), segment.layers[0].name)
+        variables = _variables(segment.layers)
+        key = calls.call_key(tuple(segment.layers), inputs, flat, range(len(flat)),
+                             segment.kwargs, variables)
+        return self._step.call(run, flat, variables, segment.layers[0].name, key)
 
     def after_layer(self, name, outputs, applied):
         if self._step is None or applied is None:
@@ -185,7 +201,7 @@ class JaxMechanism(Mechanism):
         if applied is None:
             return original(tv, ntv, mv, x, y, sw, training=training,
                             optimizer_variables=optimizer_variables)
-        if self._eager and applied.changes_anything:
+        if self._eager:  # A plan keeping all runs the compiled calls too.
             return self._eager_loss(original, applied, tv, ntv, mv, x, y, sw,
                                     optimizer_variables)
         # XLA's analysis is of a compiled step: a step run without jit (its
@@ -307,23 +323,30 @@ class JaxMechanism(Mechanism):
                 "on?). Compile the model with jit_compile=False.")
         self.stats["eager_steps"] += 1
         self.events.clear()
-        self._step = swap.SwapStep(applied, self.stats, self.events)
+        self._step = swap.SwapStep(applied, self.stats, self.events, self._compiled,
+                                   self.run_ahead)
         try:
             return original(tv, ntv, mv, x, y, sw, training=True,
                             optimizer_variables=ov)
         finally:
             self.stats["swaps_kept_on_device"] += self._step.kept_on_device()
+            self.stats["compiled_calls"] = len(self._compiled)
             self._step = None
 
 
 def _rebuild(layer, structure, leaves, found, kwargs):
     """`run(*arrays)`: `layer` called on `structure` with its array leaves
-    (at positions `found` of `leaves`) replaced."""
+    (at positions `found` of `leaves`) replaced. It holds none of this
+    call's arrays: a compiled call keeps it for the next steps, and an
+    array it held would stay on the device until the fit ends."""
+    template = [None if i in set(found) else x for i, x in enumerate(leaves)]
+    skeleton = keras.tree.pack_sequence_as(structure, template)
+
     def run(*arrays):
-        filled = list(leaves)
+        filled = list(template)
         for i, x in zip(found, arrays):
             filled[i] = x
-        inputs, args = keras.tree.pack_sequence_as(structure, filled)
+        inputs, args = keras.tree.pack_sequence_as(skeleton, filled)
         return layer(inputs, *args, **kwargs)
 
     return run

@@ -29,18 +29,21 @@ layer output `t` the plan swaps, in one training step (`SwapStep`):
   pass reaches that op, starts copying `t` back; the reader's backward
   takes that copy (or copies it itself when nothing prefetched it).
 
-The same `custom_vjp` runs recompute segments (with no swapped input, it
-keeps their inputs on the device): a `jax.checkpoint` traces its function,
-and a layer's state update (batch-norm statistics) would leave that trace.
+The same `custom_vjp` runs every other layer and the recompute segments
+(with no swapped input, it keeps their inputs on the device): a
+`jax.checkpoint` traces its function, and a layer's state update
+(batch-norm statistics) would leave that trace. Its forward and its
+backward are each one compiled program per call site (`calls.py`), so the
+step is eager between layers only.
 """
 
 import collections
 
 import jax
 import keras
-import numpy as np
 
 from keras_autovm import internals
+from keras_autovm.mechanisms.jax import calls
 
 
 def host_kind(device=None):
@@ -59,10 +62,16 @@ class SwapStep:
         stats: dict of counters to add to (the mechanism's).
         events: list the backward's events are appended to, in order:
             `("prefetch", tag, op)` and `("use", tag, reader)`.
+        compiled: dict of the compiled calls of earlier steps, added to.
+        run_ahead: how many compiled calls may be enqueued ahead of the
+            device (`None`: no bound); see `enqueued`.
     """
 
-    def __init__(self, applied, stats, events):
+    def __init__(self, applied, stats, events, compiled, run_ahead=None):
         plan = applied.plan
+        self.compiled = compiled  # call key -> `calls.CompiledCall`, across steps
+        self.run_ahead = run_ahead
+        self.queued = collections.deque()  # An output of each call enqueued.
         self.stats, self.events = stats, events
         self.swapped = set(applied.names("swap"))
         tensors = plan.graph.tensor_map
@@ -97,23 +106,35 @@ class SwapStep:
                 self.in_flight.append((self.host[tag], array.nbytes))
                 self.stats["bytes_to_host"] += array.nbytes
         tags = self.prefetch_at.get(name)
-        first = next((i for i, x in enumerate(flat) if _is_float(x)), None)
+        first = next((i for i, x in enumerate(flat) if calls.is_float(x)), None)
         if tags and first is not None:
             flat[first] = _on_backward(flat[first], lambda: self._prefetch(tags, name))
             outputs = keras.tree.pack_sequence_as(outputs, flat)
         return outputs
 
-    def call(self, run, inputs, variables, reader):
+    def call(self, run, inputs, variables, reader, key=None):
         """`run(*inputs)` (a flat list of arrays) under the recomputing
         `custom_vjp`, with `variables` (Keras variables it reads) as
-        explicit inputs; `reader` names it in events."""
+        explicit inputs; `reader` names it in events. Its forward and
+        backward are compiled programs (`calls.CompiledCall`), kept for
+        the next steps under `key` (`calls.call_key`; `None`: not kept).
+        A call that adds losses runs as Keras runs it, its swapped inputs
+        left on the device."""
         self.bound_in_flight()
+        compiled = self.compiled.get(key) if key is not None else None
+        if compiled is None:
+            compiled = calls.CompiledCall(run, variables, inputs)
+            if key is not None:
+                self.compiled[key] = compiled
+        if compiled.adds_losses:
+            self.pin(inputs)
+            return run(*inputs)
         arrays = [internals.jax_concrete(x) for x in inputs]
         tags = [self.tag_of.get(id(a)) if a is not None else None for a in arrays]
         tags = [t if t in self.host else None for t in tags]
-        outputs, state = _recomputing(run, variables, tags, self, reader)(
+        outputs, state = _recomputing(compiled, tags, self, reader)(
             list(inputs), [v.value for v in variables])
-        for variable, value in zip(_stateful(variables), state):
+        for variable, value in zip(compiled.stateful, state):
             variable.assign(value)
         for tag in set(tags) - {None}:
             self.back.setdefault(tag, [None, 0])[1] += 1
@@ -163,6 +184,23 @@ class SwapStep:
     def _copy_done(host):
         return host.is_ready()
 
+    def enqueued(self, outputs):
+        """Bounds how far Python runs ahead of the device. A program's
+        buffers are allocated when it is enqueued, and a buffer deleted
+        while work on it is queued is freed when that work ends; unbounded,
+        the forward and backward are enqueued long before they run, and
+        the device holds what the plan frees (prefetched copies, dead
+        inputs) at once. Waits for the call `run_ahead` calls back."""
+        first = next((x for x in keras.tree.flatten(outputs) if isinstance(x, jax.Array)), None)
+        if self.run_ahead is None or first is None:
+            return
+        self.queued.append(first)
+        while len(self.queued) > self.run_ahead:
+            oldest = self.queued.popleft()
+            if not oldest.is_deleted():  # A swapped output, freed already.
+                oldest.block_until_ready()
+                self.stats["run_ahead_waits"] += 1
+
     # ----------------------------------------------------------- backward
 
     def _prefetch(self, tags, op):
@@ -192,24 +230,19 @@ class SwapStep:
         return jax.device_put(host, host.sharding.with_memory_kind("device"))
 
 
-def _recomputing(run, variables, tags, step, reader):
-    """A `custom_vjp` of `(inputs, values) -> (run(*inputs), new state)`
-    that keeps host copies for the inputs with a tag and recomputes `run`
-    in its backward."""
-    stateful = _stateful(variables)
-
-    def forward(inputs, values):
-        with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
-            outputs = run(*inputs)
-        return outputs, [scope.get_current_value(v) for v in stateful]
-
+def _recomputing(compiled, tags, step, reader):
+    """A `custom_vjp` of `(inputs, values) -> compiled.forward(inputs,
+    values)` that keeps host copies for the inputs with a tag and
+    recomputes the forward in its backward (`compiled.backward`)."""
     @jax.custom_vjp
     def call(inputs, values):
-        return forward(inputs, values)
+        return compiled.forward(inputs, values)
 
     def fwd(inputs, values):
         kept = [step.host[t] if t else x for x, t in zip(inputs, tags)]
-        return forward(inputs, values), (kept, values)
+        outputs = compiled.forward(inputs, values)
+        step.enqueued(outputs)
+        return outputs, (kept, values)
 
     def bwd(residuals, cotangents):
         kept, values = residuals
@@ -218,22 +251,9 @@ def _recomputing(run, variables, tags, step, reader):
         back = {t: step.take(t, reader) for t in dict.fromkeys(tags) if t}
         inputs = [back[t] if t else x for x, t in zip(kept, tags)]
         step.stats["recomputed_calls"] += 1
-        wrt = [i for i, x in enumerate(inputs) if _is_float(x)]
-        trained = [i for i, v in enumerate(variables) if v.trainable]
-
-        def outputs_of(xs, ws):
-            full, vals = list(inputs), list(values)
-            for i, x in zip(wrt, xs):
-                full[i] = x
-            for i, w in zip(trained, ws):
-                vals[i] = w
-            return forward(full, vals)[0]
-
-        _, vjp = jax.vjp(outputs_of, [inputs[i] for i in wrt], [values[i] for i in trained])
-        d_inputs, d_weights = vjp(cotangents[0])
-        found_x, found_w = dict(zip(wrt, d_inputs)), dict(zip(trained, d_weights))
-        return ([found_x.get(i, _zero(x)) for i, x in enumerate(inputs)],
-                [found_w.get(i, _zero(v)) for i, v in enumerate(values)])
+        grads = compiled.backward(inputs, values, cotangents[0])
+        step.enqueued(grads)
+        return grads
 
     call.defvjp(fwd, bwd)
     return call
@@ -251,18 +271,3 @@ def _on_backward(x, action):
 
     identity.defvjp(lambda x: (x, None), bwd)
     return identity(x)
-
-
-def _stateful(variables):
-    return [v for v in variables if not v.trainable]
-
-
-def _is_float(x):
-    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
-
-
-def _zero(x):
-    """A zero cotangent for `x` (`float0` for integer arrays)."""
-    if _is_float(x):
-        return jax.numpy.zeros_like(x)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)

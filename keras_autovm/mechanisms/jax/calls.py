@@ -1,0 +1,107 @@
+"""A layer call (or a recompute segment) as two compiled XLA programs.
+
+In the eager swap step (`swap.py`) every layer runs under a `custom_vjp`
+whose residuals are its inputs (or their host copies) and whose backward
+recomputes the layer. Run op by op, that step needed 2.2x the planned
+memory and 5x the planned time on VGG-19 (docs/results.md): each primitive
+was its own program, with its own temporaries and dispatch. Here the
+forward, `(inputs, values) -> (outputs, new state)`, is one
+`jax.jit` program, and the backward (the forward recomputed, then its
+vector-Jacobian product) another, both traced once per call site and
+reused every step. Between programs, AutoVM's copies, waits and frees
+still happen when the plan says: the step itself stays eager.
+"""
+
+import jax
+import keras
+import numpy as np
+
+
+class CompiledCall:
+    """`run(*inputs)` reading the Keras `variables`, as two programs.
+
+    Args:
+        run: the call, on a flat list of arrays, returning a structure of
+            arrays.
+        variables: the Keras variables it reads, trainable first; their
+            values are the programs' explicit inputs (`values`), so no
+            variable's value is baked into a program.
+        inputs: example inputs (for their shapes and dtypes).
+
+    Attributes:
+        adds_losses: whether the call adds losses (`add_loss`, an activity
+            regularizer). Keras collects those from the layer that added
+            them, outside any program: such a call must run as Keras runs
+            it, and is not compiled here.
+        traces: how often the call's Python ran (tracing its programs:
+            once for its shapes, once per program and input shape).
+    """
+
+    def __init__(self, run, variables, inputs):
+        self.variables = list(variables)
+        self.stateful = [v for v in self.variables if not v.trainable]
+        self._run = run
+        self.traces = 0
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+        values = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.variables]
+        self.adds_losses = bool(jax.eval_shape(self._traced, shapes, values)[2])
+        self.forward = jax.jit(lambda inputs, values: self._traced(inputs, values)[:2])
+        self._backward = jax.jit(self._vjp)
+
+    def _traced(self, inputs, values):
+        self.traces += 1
+        mapping = list(zip(self.variables, values))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            outputs = self._run(*inputs)
+        return outputs, [scope.get_current_value(v) for v in self.stateful], scope.losses
+
+    def _vjp(self, inputs, values, cotangents):
+        wrt = [i for i, x in enumerate(inputs) if is_float(x)]
+        trained = [i for i, v in enumerate(self.variables) if v.trainable]
+
+        def outputs_of(xs, ws):
+            full, vals = list(inputs), list(values)
+            for i, x in zip(wrt, xs):
+                full[i] = x
+            for i, w in zip(trained, ws):
+                vals[i] = w
+            return self._traced(full, vals)[0]
+
+        _, vjp = jax.vjp(outputs_of, [inputs[i] for i in wrt], [values[i] for i in trained])
+        return vjp(cotangents)
+
+    def backward(self, inputs, values, cotangents):
+        """Cotangents of `(inputs, values)` from those of the outputs;
+        zero for integer inputs and untrained variables."""
+        d_inputs, d_weights = self._backward(inputs, values, cotangents)
+        d_inputs, d_weights = iter(d_inputs), iter(d_weights)
+        return ([next(d_inputs) if is_float(x) else zero(x) for x in inputs],
+                [next(d_weights) if v.trainable else zero(x)
+                 for v, x in zip(self.variables, values)])
+
+
+def call_key(site, structure, leaves, found, kwargs, variables):
+    """What identifies a call site's programs: the site, the structure of
+    its arguments and their non-array leaves, the keyword arguments and
+    which variables train. `None` when some of it is not hashable: that
+    call is traced each time it runs."""
+    arrays = set(found)
+    static = tuple(x for i, x in enumerate(leaves) if i not in arrays)
+    key = (site, jax.tree_util.tree_structure(structure), static,
+           tuple(sorted(kwargs.items())), tuple(v.trainable for v in variables))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def is_float(x):
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+
+
+def zero(x):
+    """A zero cotangent for `x` (`float0` for integer arrays)."""
+    if is_float(x):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
