@@ -327,6 +327,44 @@ def jax_concrete(x):
     return x if isinstance(x, jax.Array) else None
 
 
+def keras_call_training():
+    """`training` of the Keras layer call running now (`None` outside one).
+
+    Keras passes `training` from a model's call down to the layers inside,
+    through a call context, and to a layer's own sublayers only that way
+    (a custom layer whose `call` takes no `training`). The JAX swap traces
+    a layer's backward program after the model's call has ended
+    (`mechanisms/jax/calls.py`), so it records the value here and restores
+    it with `keras_call_training_set`. No public API reads or sets the
+    call context. Keras 3.15 (`current_call_ctx`, `CallContext`).
+    """
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
+
+
+@contextlib.contextmanager
+def keras_call_training_set(training):
+    """Layers called inside see `training` as a model's call would pass
+    it, where no Keras call is running (see `keras_call_training`)."""
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+
+    previous = global_state.get_global_attribute("current_call_ctx")
+    if previous is not None or training is None:
+        yield
+        return
+    # No entry layer: no layer inside resets it on returning.
+    context = CallContext(entry_layer=None)
+    context.set_value("training", training)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
 # ----------------------------------------------------- Keras's torch backend
 
 

@@ -226,12 +226,17 @@ class _Segment:
 
     def run_layers(self, x):
         """The layers' outputs on `x`, run once, in the current scope."""
-        outputs = []
-        for layer in self.layers:
-            kwargs = self.kwargs if internals.call_takes_training(layer) else {}
-            x = layer(x, **kwargs)
-            outputs.append(x)
-        return tuple(outputs)
+        return run_layers(self.layers, self.kwargs, x)
+
+
+def run_layers(layers, kwargs, x):
+    """The outputs of `layers` chained on `x`; `kwargs` (`training`) to
+    those whose `call` takes it."""
+    outputs = []
+    for layer in layers:
+        x = layer(x, **(kwargs if internals.call_takes_training(layer) else {}))
+        outputs.append(x)
+    return tuple(outputs)
 
 
 def _batch_size(inputs):

@@ -85,6 +85,27 @@ def test_random_layers_and_training_argument():
     assert not internals.call_takes_training(keras.layers.Flatten())
 
 
+def test_keras_call_training_is_read_and_restored():
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(internals.keras_call_training())
+            return keras.layers.Dropout(0.999, seed=1)(x)
+
+    probe = Probe()
+    x = np.ones((4, 64), "float32")
+    assert internals.keras_call_training() is None
+    keras.Sequential([keras.Input((64,)), probe])(x, training=True)
+    assert seen[-1] is True  # (The first call built the model: None.)
+    # Outside any model call, a sublayer learns `training` only from the set.
+    assert np.all(keras.ops.convert_to_numpy(probe(x)) == 1.0)
+    with internals.keras_call_training_set(True):
+        dropped = keras.ops.convert_to_numpy(probe(x))
+    assert seen[-1] is True and np.mean(dropped == 0.0) > 0.9
+    assert internals.keras_call_training() is None
+
+
 def test_uncompiled_restores_the_flag():
     model = small_cnn()
     model.compile("sgd", "mse")

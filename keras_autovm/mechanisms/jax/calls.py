@@ -16,6 +16,8 @@ import jax
 import keras
 import numpy as np
 
+from keras_autovm import internals
+
 
 class CompiledCall:
     """`run(*inputs)` reading the Keras `variables`, as two programs.
@@ -28,11 +30,19 @@ class CompiledCall:
             variable's value is baked into a program.
         inputs: example inputs (for their shapes and dtypes).
 
+    Made inside the Keras call it compiles: the call's `training` is
+    recorded and restored when the backward program is traced, after the
+    model's call has ended (a custom layer's sublayers learn `training`
+    only from the call context: batch norm and dropout would otherwise
+    recompute in inference mode).
+
     Attributes:
-        adds_losses: whether the call adds losses (`add_loss`, an activity
-            regularizer). Keras collects those from the layer that added
-            them, outside any program: such a call must run as Keras runs
-            it, and is not compiled here.
+        runs_as_keras: why the call must run as Keras runs it, not
+            compiled here, or `None`. A call that adds losses (`add_loss`,
+            an activity regularizer): Keras collects those from the layer
+            that added them, outside any program. A call that cannot be
+            traced on its own: it reads a variable of another layer (tied
+            weights), whose value Keras's step holds outside the layer.
         traces: how often the call's Python ran (tracing its programs:
             once for its shapes, once per program and input shape).
     """
@@ -42,16 +52,25 @@ class CompiledCall:
         self.stateful = [v for v in self.variables if not v.trainable]
         self._run = run
         self.traces = 0
-        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-        values = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.variables]
-        self.adds_losses = bool(jax.eval_shape(self._traced, shapes, values)[2])
+        self.training = internals.keras_call_training()
+        self.runs_as_keras = self._check(inputs)
         self.forward = jax.jit(lambda inputs, values: self._traced(inputs, values)[:2])
         self._backward = jax.jit(self._vjp)
+
+    def _check(self, inputs):
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+        values = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.variables]
+        try:
+            losses = jax.eval_shape(self._traced, shapes, values)[2]
+        except Exception as error:  # noqa: BLE001 -- run as Keras runs it, which reports it
+            return f"cannot be traced on its own ({type(error).__name__}: {error})"
+        return "adds losses" if losses else None
 
     def _traced(self, inputs, values):
         self.traces += 1
         mapping = list(zip(self.variables, values))
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        with internals.keras_call_training_set(self.training), keras.StatelessScope(
+                state_mapping=mapping, collect_losses=True) as scope:
             outputs = self._run(*inputs)
         return outputs, [scope.get_current_value(v) for v in self.stateful], scope.losses
 
@@ -82,13 +101,14 @@ class CompiledCall:
 
 def call_key(site, structure, leaves, found, kwargs, variables):
     """What identifies a call site's programs: the site, the structure of
-    its arguments and their non-array leaves, the keyword arguments and
-    which variables train. `None` when some of it is not hashable: that
-    call is traced each time it runs."""
+    its arguments and their non-array leaves, the keyword arguments, the
+    call's `training` and which variables train. `None` when some of it
+    is not hashable: that call is traced each time it runs."""
     arrays = set(found)
     static = tuple(x for i, x in enumerate(leaves) if i not in arrays)
     key = (site, jax.tree_util.tree_structure(structure), static,
-           tuple(sorted(kwargs.items())), tuple(v.trainable for v in variables))
+           tuple(sorted(kwargs.items())), internals.keras_call_training(),
+           tuple(v.trainable for v in variables))
     try:
         hash(key)
     except TypeError:

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
 from keras_autovm.planner import format_bytes
+from keras_autovm.runtime import run_layers
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.jax import calls
 from keras_autovm.mechanisms.jax import compiled
@@ -148,11 +149,13 @@ class JaxMechanism(Mechanism):
         if self._step is None:
             return super().run_segment(segment, inputs)
         flat = keras.tree.flatten(inputs)
-        # Its structure only: the compiled call keeps `run` (see `_rebuild`).
+        # The compiled call keeps `run` (see `_rebuild`): no arrays in it,
+        # not even the segment's snapshot of its layers' state.
         structure = keras.tree.map_structure(lambda _: None, inputs)
+        layers, kwargs = segment.layers, segment.kwargs
 
         def run(*xs):
-            return segment.run_layers(keras.tree.pack_sequence_as(structure, list(xs)))
+            return run_layers(layers, kwargs, keras.tree.pack_sequence_as(structure, list(xs)))
 
         variables = _variables(segment.layers)
         key = calls.call_key(tuple(segment.layers), inputs, flat, range(len(flat)),

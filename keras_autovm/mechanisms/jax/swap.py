@@ -118,15 +118,15 @@ class SwapStep:
         explicit inputs; `reader` names it in events. Its forward and
         backward are compiled programs (`calls.CompiledCall`), kept for
         the next steps under `key` (`calls.call_key`; `None`: not kept).
-        A call that adds losses runs as Keras runs it, its swapped inputs
-        left on the device."""
+        A call that adds losses, or cannot be traced on its own, runs as
+        Keras runs it, its swapped inputs left on the device."""
         self.bound_in_flight()
         compiled = self.compiled.get(key) if key is not None else None
         if compiled is None:
             compiled = calls.CompiledCall(run, variables, inputs)
             if key is not None:
                 self.compiled[key] = compiled
-        if compiled.adds_losses:
+        if compiled.runs_as_keras:
             self.pin(inputs)
             return run(*inputs)
         arrays = [internals.jax_concrete(x) for x in inputs]
