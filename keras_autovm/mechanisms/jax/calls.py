@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 from keras_autovm import internals
+from keras_autovm.runtime import run_layers
 
 
 class CompiledCall:
@@ -97,6 +98,52 @@ class CompiledCall:
         return ([next(d_inputs) if is_float(x) else zero(x) for x in inputs],
                 [next(d_weights) if v.trainable else zero(x)
                  for v, x in zip(self.variables, values)])
+
+
+def layer_site(layer, structure, leaves, found, kwargs):
+    """`(run, variables, key)` of a layer call on `structure` (`(inputs,
+    args)`, flattened to `leaves`, arrays at positions `found`): `run(*arrays)`
+    calls `layer` with the arrays put back. It holds none of this call's
+    arrays: a compiled call keeps it for the next steps, and an array it
+    held would stay on the device until the fit ends."""
+    arrays = set(found)
+    template = [None if i in arrays else x for i, x in enumerate(leaves)]
+    skeleton = keras.tree.pack_sequence_as(structure, template)
+
+    def run(*values):
+        filled = list(template)
+        for i, x in zip(found, values):
+            filled[i] = x
+        inputs, args = keras.tree.pack_sequence_as(skeleton, filled)
+        return layer(inputs, *args, **kwargs)
+
+    variables = variables_of([layer])
+    return run, variables, call_key(layer, structure, leaves, found, kwargs, variables)
+
+
+def segment_site(layers, kwargs, inputs):
+    """`(run, variables, key)` of a recompute segment of `layers` on
+    `inputs`; like `layer_site`, `run` holds none of its arrays."""
+    flat = keras.tree.flatten(inputs)
+    structure = keras.tree.map_structure(lambda _: None, inputs)
+
+    def run(*xs):
+        return run_layers(layers, kwargs, keras.tree.pack_sequence_as(structure, list(xs)))
+
+    variables = variables_of(layers)
+    return run, variables, call_key(tuple(layers), inputs, flat, range(len(flat)),
+                                    kwargs, variables)
+
+
+def variables_of(layers):
+    """The distinct variables of `layers`, trainable first."""
+    seen, found = set(), []
+    for layer in layers:
+        for v in layer.trainable_variables + layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                found.append(v)
+    return found
 
 
 def call_key(site, structure, leaves, found, kwargs, variables):

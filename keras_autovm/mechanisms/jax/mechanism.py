@@ -18,7 +18,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
 from keras_autovm.planner import format_bytes
-from keras_autovm.runtime import run_layers
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.jax import calls
 from keras_autovm.mechanisms.jax import compiled
@@ -135,10 +134,8 @@ class JaxMechanism(Mechanism):
             if any(isinstance(x, jax.Array) for x in keras.tree.flatten(kwargs)):
                 step.pin(arrays)  # An array keyword (a mask): run as is.
             elif arrays and all(internals.jax_concrete(x) is not None for x in arrays):
-                variables = _variables([layer])
-                key = calls.call_key(layer, structure, leaves, found, kwargs, variables)
-                return step.call(_rebuild(layer, structure, leaves, found, kwargs),
-                                 arrays, variables, layer.name, key)
+                run, variables, key = calls.layer_site(layer, structure, leaves, found, kwargs)
+                return step.call(run, arrays, variables, layer.name, key)
         if applied is None or layer.non_trainable_variables:
             return layer(inputs, *args, **kwargs)
         return self.recompute(lambda x, *a: layer(x, *a, **kwargs))(inputs, *args)
@@ -149,17 +146,7 @@ class JaxMechanism(Mechanism):
         if self._step is None:
             return super().run_segment(segment, inputs)
         flat = keras.tree.flatten(inputs)
-        # The compiled call keeps `run` (see `_rebuild`): no arrays in it,
-        # not even the segment's snapshot of its layers' state.
-        structure = keras.tree.map_structure(lambda _: None, inputs)
-        layers, kwargs = segment.layers, segment.kwargs
-
-        def run(*xs):
-            return run_layers(layers, kwargs, keras.tree.pack_sequence_as(structure, list(xs)))
-
-        variables = _variables(segment.layers)
-        key = calls.call_key(tuple(segment.layers), inputs, flat, range(len(flat)),
-                             segment.kwargs, variables)
+        run, variables, key = calls.segment_site(segment.layers, segment.kwargs, inputs)
         return self._step.call(run, flat, variables, segment.layers[0].name, key)
 
     def after_layer(self, name, outputs, applied):
@@ -335,35 +322,6 @@ class JaxMechanism(Mechanism):
             self.stats["swaps_kept_on_device"] += self._step.kept_on_device()
             self.stats["compiled_calls"] = len(self._compiled)
             self._step = None
-
-
-def _rebuild(layer, structure, leaves, found, kwargs):
-    """`run(*arrays)`: `layer` called on `structure` with its array leaves
-    (at positions `found` of `leaves`) replaced. It holds none of this
-    call's arrays: a compiled call keeps it for the next steps, and an
-    array it held would stay on the device until the fit ends."""
-    template = [None if i in set(found) else x for i, x in enumerate(leaves)]
-    skeleton = keras.tree.pack_sequence_as(structure, template)
-
-    def run(*arrays):
-        filled = list(template)
-        for i, x in zip(found, arrays):
-            filled[i] = x
-        inputs, args = keras.tree.pack_sequence_as(skeleton, filled)
-        return layer(inputs, *args, **kwargs)
-
-    return run
-
-
-def _variables(layers):
-    """The distinct variables of `layers`, trainable first."""
-    seen, found = set(), []
-    for layer in layers:
-        for v in layer.trainable_variables + layer.non_trainable_variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-    return found
 
 
 def _has_pinned_host():
