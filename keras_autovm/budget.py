@@ -197,6 +197,11 @@ class PlanBook:
         whose inputs have concrete shapes)."""
         return self._last_shapes.get(batch_size)
 
+    def forget(self, batch_size):
+        """Builds the graphs of `batch_size` again at its next plan (the
+        mechanism has measured more of how it runs them)."""
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] != batch_size}
+
     def plan(self, batch_size, input_shapes=None):
         """A new plan for `batch_size` with the current cost model.
 

@@ -238,6 +238,24 @@ def float64_results():
 JAX_LOSS_FUNCTION = "compute_loss_and_updates"
 
 
+def jax_state_reattached(model, state):
+    """Puts back into `model`'s variables the training state a JAX `fit`
+    step was given: `(trainable, non-trainable, optimizer, metrics)`
+    values.
+
+    Keras's JAX `fit` takes the values out of the model's variables before
+    an epoch's first step (to hold one copy of the weights, not two) and
+    puts them back only at the epoch's end; a step that raises leaves them
+    out, and the model's weights can no longer be read. Keras 3.15.1
+    (`JAXTrainer.fit`, `_jax_state`, `jax_state_sync`).
+    """
+    names = ("trainable_variables", "non_trainable_variables",
+             "optimizer_variables", "metrics_variables")
+    model._jax_state = dict(zip(names, state))
+    model._jax_state_synced = False
+    model.jax_state_sync()
+
+
 def running_fit(depth=12):
     """The locals of the `fit` call that is running this callback hook.
 

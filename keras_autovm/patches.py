@@ -26,6 +26,7 @@ import keras
 from keras_autovm import internals
 from keras_autovm import oom
 from keras_autovm.model_graph import tag_names
+from keras_autovm.planner import PlanError
 from keras_autovm.wrapper import AutoVMWrapper
 
 # The CallbackList hooks `fit` calls between `on_train_begin` and the end.
@@ -138,6 +139,24 @@ def retrace(model, patches):
     # had before AutoVM comes back last.
     patches.set(model, "train_function", None)
     model.make_train_function(force=True)
+    if keras.backend.backend() == "jax":
+        patches.set(model, "train_function", _reattaching_state(model, model.train_function))
+
+
+def _reattaching_state(model, function):
+    """JAX: `function` (a `fit` step on `(state, data)`), giving the model
+    its state back when AutoVM finds no plan in the step, before anything
+    ran: Keras's `fit` took the weights out of the model
+    (`internals.jax_state_reattached`)."""
+    @functools.wraps(function)
+    def train_function(state, data):
+        try:
+            return function(state, data)
+        except PlanError:
+            internals.jax_state_reattached(model, state)
+            raise
+
+    return train_function
     vars(model)["train_function"] = patches.guarded(model.train_function)
 
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX swap")
 if BACKEND == "jax":
     import jax
 
+    from keras_autovm.mechanisms.jax import calls
     from keras_autovm.mechanisms.jax import mechanism as jax_mechanism
     from keras_autovm.mechanisms.jax import swap
 
@@ -123,6 +124,101 @@ def test_no_activation_outlives_its_step(policy):
     train(small_cnn, [callback, Count()])
     assert callback.report.stats["eager_steps"] == 3
     assert left == [[], [], []]
+
+
+def compiled_beside(monkeypatch):
+    """Records, for each program compiled, the step's activations (batch
+    8, not the 3-channel input) on the device while it compiles."""
+    beside = []
+    program = calls.CompiledCall.program
+
+    def recording(self, name, *args, **kwargs):
+        count = len(self.programs)
+        compiled = program(self, name, *args, **kwargs)
+        if len(self.programs) > count:
+            beside.append(sum(1 for a in jax.live_arrays() if a.ndim == 4 and a.shape[0] == 8
+                              and a.shape[-1] != 3 and a.sharding.memory_kind == "device"))
+        return compiled
+
+    monkeypatch.setattr(calls.CompiledCall, "program", recording)
+    return beside
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("model_fn,policy", [(small_cnn, "offload_all"),
+                                             (skip_model, "sqrt_offload")])
+def test_programs_are_compiled_before_any_activation_exists(
+        model_fn, policy, ahead, monkeypatch):
+    # Compiling autotunes a GPU convolution with scratch beside what is
+    # live: compiled in the first step, VGG-19's programs took the process
+    # to 10.8 GiB on an H200, where the plan needs 4.2.
+    monkeypatch.setattr(jax_mechanism.JaxMechanism, "compile_ahead", ahead)
+    beside = compiled_beside(monkeypatch)
+    callback = autovm(policy)
+    train(model_fn, [callback])
+    stats = callback.report.stats
+    assert beside and stats["eager_steps"] == 3
+    programs = stats["programs_compiled_ahead"] + stats["programs_compiled_in_steps"]
+    assert programs == len(beside), stats
+    if ahead:
+        assert stats["programs_compiled_in_steps"] == 0 and not any(beside), (stats, beside)
+    else:
+        assert stats["programs_compiled_ahead"] == 0 and any(beside), (stats, beside)
+
+
+def test_compiling_ahead_changes_no_weight(monkeypatch):
+    models = []
+    for ahead in (True, False):
+        monkeypatch.setattr(jax_mechanism.JaxMechanism, "compile_ahead", ahead)
+        models.append(train(skip_model, [autovm("offload_all")]))
+    assert max_diff(*models) == 0.0
+
+
+def test_each_batch_shape_is_compiled_ahead():
+    # 20 samples in batches of 8: the last batch of 4 has its own plan
+    # and its own programs, compiled ahead too.
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    callback = autovm("offload_all")
+    model.fit(*data(20), batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    stats = callback.report.stats
+    assert stats["eager_steps"] == 6
+    assert stats["programs_compiled_ahead"] > 0
+    assert stats["programs_compiled_in_steps"] == 0, stats
+
+
+def test_the_plan_counts_the_scratch_its_programs_need():
+    # Each program's scratch (XLA's memory analysis, read when compiled
+    # ahead) is its layer's workspace; the first step runs a plan made
+    # with it.
+    callback = autovm("offload_all")
+    with pytest.warns(UserWarning, match="scratch memory its compiled programs"):
+        train(small_cnn, [callback])
+    stats = callback.report.stats
+    scratch = [b for op in callback.plan.graph.ops for b in op.scratch_bytes]
+    assert stats["scratch_replans"] == 1 and stats["programs_compiled_in_steps"] == 0
+    assert max(scratch) == stats["max_program_temp_bytes"] > 0
+
+
+def test_scratch_no_plan_fits_stops_before_the_first_step(monkeypatch):
+    call = calls.Ahead.call
+
+    def huge_scratch(self, run, inputs, variables, reader, key=None):
+        outputs = call(self, run, inputs, variables, reader, key)
+        if reader == "c2":
+            self.scratch[reader] = (0, 2**30)
+        return outputs
+
+    monkeypatch.setattr(calls.Ahead, "call", huge_scratch)
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(keras_autovm.PlanError, match="No plan fits budget=1") as error:
+        model.fit(*data(16), batch_size=8, verbose=0, callbacks=[autovm("offload_all")])
+    assert error.value.min_budget > 2**30
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
 class Block(keras.layers.Layer):

@@ -59,7 +59,12 @@ class OpSpec:
         fwd_time: measured or supplied forward time in seconds; `None`
             means estimate it from `flops` and `mem_bytes`.
         bwd_time: likewise for the backward pass.
-        workspace_bytes: scratch memory held while the op runs.
+        workspace_bytes: scratch memory held while the op runs, measured
+            as what it allocated above the larger of the memory before
+            and after it (see `simulate`).
+        scratch_bytes: `(forward, backward)` scratch of the op's compiled
+            programs (XLA's temporaries), held beside everything live
+            while each runs, whole.
         kind: the layer's class name, for summaries.
         note: why this op is not managed, if it is not.
         unary: whether the call takes one tensor and nothing else tensor-
@@ -76,6 +81,7 @@ class OpSpec:
     fwd_time: float = None
     bwd_time: float = None
     workspace_bytes: int = 0
+    scratch_bytes: tuple = (0, 0)
     kind: str = ""
     note: str = ""
     unary: bool = True

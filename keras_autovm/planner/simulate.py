@@ -30,7 +30,8 @@ buffers and the workspace of the running op:
 - An op's workspace is held while it runs. A measured one is what the op
   allocated above the larger of the memory before and after it, so in
   backward the memory while it runs is that larger figure plus the
-  workspace.
+  workspace. A compiled program's scratch (`scratch_bytes`, per phase)
+  comes on top of all that is live, whole.
 - With `hold_outputs`, every layer output lives at least until the forward
   pass ends: an eager functional model run unchanged holds them all (its
   dict of outputs), so that is the peak of a step AutoVM leaves alone.
@@ -289,6 +290,7 @@ def _memory_events(ix, graph, sched, st, actions, hold_outputs=False):
             # the overlap of the two comes off (the span may be negative):
             # in the op, memory is max(before, after) + workspace.
             extra -= min(born_at[start(pos)], dies_at[end(pos)])
+        extra += op.scratch_bytes[phase == "bwd"]
         span(("workspace", op.name), extra, start(pos), end(pos))
     events.sort()
     return events

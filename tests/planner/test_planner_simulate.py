@@ -318,6 +318,19 @@ def test_backward_workspace_sits_above_the_larger_end():
     assert r.peak_bytes == 151
 
 
+def test_program_scratch_sits_whole_above_everything_live():
+    # A compiled program's temporaries (XLA's) are allocated beside its
+    # inputs and outputs: nothing of them overlaps what is live, in either
+    # phase, unlike a measured workspace (above).
+    tensors = (tensor("t0", 100, "o0", ("o1",), ("o1",)), tensor("t1", 1, "o1"))
+    plain = simulate(Graph((op("o0"), op("o1")), tensors))
+    scratched = simulate(Graph((op("o0"), op("o1", scratch_bytes=(5, 50))), tensors))
+    assert memory_at(scratched, 1.5) == memory_at(plain, 1.5) + 5  # o1's forward
+    assert memory_at(scratched, 2.5) == memory_at(plain, 2.5) + 50  # o1's backward
+    assert memory_at(scratched, 4.5) == memory_at(plain, 4.5)  # o0's backward
+    assert scratched.peak_bytes == plain.peak_bytes + 50
+
+
 def test_replayed_chain_brings_back_everything_it_saves_at_once():
     # o0 -> t0 -> o1 -> t1 -> o2 -> t2 -> o3; t0, t1 recomputed. XLA makes
     # each again when needed; a checkpointed chain (torch, TensorFlow)

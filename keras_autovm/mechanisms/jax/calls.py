@@ -10,6 +10,14 @@ forward, `(inputs, values) -> (outputs, new state)`, is one
 vector-Jacobian product) another, both traced once per call site and
 reused every step. Between programs, AutoVM's copies, waits and frees
 still happen when the plan says: the step itself stays eager.
+
+Compiling a convolution's program autotunes it, with scratch memory beside
+whatever the device holds then. Compiled in the first step, next to that
+step's live activations, VGG-19's programs took the process to 10.8 GiB
+where the plan needs 4.2 (docs/results.md). So the programs are compiled
+ahead of time (`Ahead`): the step is traced once abstractly
+(`jax.eval_shape`), before any activation exists, and each call compiles
+its programs at the shapes it sees; the real step runs those executables.
 """
 
 import jax
@@ -30,6 +38,9 @@ class CompiledCall:
             values are the programs' explicit inputs (`values`), so no
             variable's value is baked into a program.
         inputs: example inputs (for their shapes and dtypes).
+        stats: dict of counters to add to (the mechanism's):
+            `programs_compiled_ahead`, `programs_compiled_in_steps`,
+            `max_program_temp_bytes`.
 
     Made inside the Keras call it compiles: the call's `training` is
     recorded and restored when the backward program is traced, after the
@@ -46,17 +57,23 @@ class CompiledCall:
             weights), whose value Keras's step holds outside the layer.
         traces: how often the call's Python ran (tracing its programs:
             once for its shapes, once per program and input shape).
+        programs: its compiled executables, by program and argument types.
+        temp_bytes: the most scratch memory each program needs, by name
+            (XLA's memory analysis; 0 where the backend gives none).
     """
 
-    def __init__(self, run, variables, inputs):
+    def __init__(self, run, variables, inputs, stats):
+        self.stats = stats
         self.variables = list(variables)
         self.stateful = [v for v in self.variables if not v.trainable]
         self._run = run
         self.traces = 0
         self.training = internals.keras_call_training()
         self.runs_as_keras = self._check(inputs)
-        self.forward = jax.jit(lambda inputs, values: self._traced(inputs, values)[:2])
+        self._forward = jax.jit(lambda inputs, values: self._traced(inputs, values)[:2])
         self._backward = jax.jit(self._vjp)
+        self.programs = {}  # (program, argument types) -> compiled executable
+        self.temp_bytes = {"forward": 0, "backward": 0}  # The most, of each program
 
     def _check(self, inputs):
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
@@ -90,14 +107,110 @@ class CompiledCall:
         _, vjp = jax.vjp(outputs_of, [inputs[i] for i in wrt], [values[i] for i in trained])
         return vjp(cotangents)
 
+    def forward(self, inputs, values):
+        """`(outputs, new values of the stateful variables)`; traced inline
+        where the arguments are abstract (`Ahead`'s pass)."""
+        if _abstract((inputs, values)):
+            return self._forward(inputs, values)
+        return self.program("forward", inputs, values)(inputs, values)
+
     def backward(self, inputs, values, cotangents):
         """Cotangents of `(inputs, values)` from those of the outputs;
         zero for integer inputs and untrained variables."""
-        d_inputs, d_weights = self._backward(inputs, values, cotangents)
+        program = self.program("backward", inputs, values, cotangents)
+        d_inputs, d_weights = program(inputs, values, cotangents)
         d_inputs, d_weights = iter(d_inputs), iter(d_weights)
         return ([next(d_inputs) if is_float(x) else zero(x) for x in inputs],
                 [next(d_weights) if v.trainable else zero(x)
                  for v, x in zip(self.variables, values)])
+
+
+    def program(self, name, *args, ahead=False):
+        """The executable of program `name` ("forward" or "backward") for
+        arguments of the types of `args` (arrays or `ShapeDtypeStruct`s),
+        compiled the first time those types are seen. An executable
+        takes arrays of its types whatever their placement on the device
+        (a copy back is committed, a layer output is not), which `jax.jit`'s
+        cache would tell apart and compile twice."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak(x))
+                      for x in leaves)
+        key = (name, tree, tuple((t.shape, t.dtype, t.weak_type) for t in types))
+        program = self.programs.get(key)
+        if program is None:
+            function = self._forward if name == "forward" else self._backward
+            program = function.lower(*jax.tree_util.tree_unflatten(tree, types)).compile()
+            self.programs[key] = program
+            analysis = program.memory_analysis()  # None where the backend has none
+            temp = getattr(analysis, "temp_size_in_bytes", 0)
+            self.temp_bytes[name] = max(self.temp_bytes[name], temp)
+            self.stats["max_program_temp_bytes"] = max(
+                self.stats["max_program_temp_bytes"], temp)
+            self.stats["programs_compiled_ahead" if ahead else "programs_compiled_in_steps"] += 1
+        return program
+
+    def compile_ahead(self, inputs, values):
+        """Compiles both programs for arguments shaped like `inputs` and
+        `values` (abstract or concrete), the backward's cotangents shaped
+        like the forward's outputs."""
+        self.program("forward", inputs, values, ahead=True)
+        outputs = jax.eval_shape(self._forward, inputs, values)[0]
+        cotangents = jax.tree_util.tree_map(_cotangent_type, outputs)
+        self.program("backward", inputs, values, cotangents, ahead=True)
+
+
+class Ahead:
+    """Stands in for a step's `swap.SwapStep` while the step is traced
+    abstractly (`jax.eval_shape`) before it runs: each call compiles its
+    programs (`CompiledCall.compile_ahead`) and is traced inline; nothing
+    is copied or freed. `scratch` gathers, by reader (a layer, or the
+    first layer of a segment), the most scratch memory its forward and
+    backward programs need.
+
+    Args:
+        compiled: dict of compiled calls (`call_key` -> `CompiledCall`),
+            the one the steps use; added to.
+        stats: dict of counters to add to (the mechanism's).
+    """
+
+    def __init__(self, compiled, stats):
+        self.compiled, self.stats = compiled, stats
+        self.scratch = {}  # reader -> (forward, backward) scratch bytes
+
+    @staticmethod
+    def traceable(arrays):
+        return True
+
+    def pin(self, inputs):
+        pass
+
+    def after_layer(self, name, outputs):
+        return outputs
+
+    def call(self, run, inputs, variables, reader, key=None):
+        compiled = find(self.compiled, key, run, variables, inputs, self.stats)
+        if compiled.runs_as_keras:
+            return run(*inputs)
+        values = [v.value for v in variables]
+        compiled.compile_ahead(inputs, values)
+        old = self.scratch.get(reader, (0, 0))
+        self.scratch[reader] = (max(old[0], compiled.temp_bytes["forward"]),
+                                max(old[1], compiled.temp_bytes["backward"]))
+        outputs, state = compiled.forward(inputs, values)
+        for variable, value in zip(compiled.stateful, state):
+            variable.assign(value)
+        return outputs
+
+
+def find(compiled, key, run, variables, inputs, stats):
+    """The compiled call kept under `key` in `compiled`, made (and kept,
+    unless `key` is `None`) if there is none."""
+    call = compiled.get(key) if key is not None else None
+    if call is None:
+        call = CompiledCall(run, variables, inputs, stats)
+        if key is not None:
+            compiled[key] = call
+    return call
 
 
 def layer_site(layer, structure, leaves, found, kwargs):
@@ -161,6 +274,20 @@ def call_key(site, structure, leaves, found, kwargs, variables):
     except TypeError:
         return None
     return key
+
+
+def _abstract(tree):
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _weak(x):
+    return bool(getattr(x, "weak_type", False) or getattr(
+        getattr(x, "aval", None), "weak_type", False))
+
+
+def _cotangent_type(x):
+    dtype = x.dtype if is_float(x) else jax.dtypes.float0
+    return jax.ShapeDtypeStruct(x.shape, dtype)
 
 
 def is_float(x):

@@ -121,11 +121,7 @@ class SwapStep:
         A call that adds losses, or cannot be traced on its own, runs as
         Keras runs it, its swapped inputs left on the device."""
         self.bound_in_flight()
-        compiled = self.compiled.get(key) if key is not None else None
-        if compiled is None:
-            compiled = calls.CompiledCall(run, variables, inputs)
-            if key is not None:
-                self.compiled[key] = compiled
+        compiled = calls.find(self.compiled, key, run, variables, inputs, self.stats)
         if compiled.runs_as_keras:
             self.pin(inputs)
             return run(*inputs)
@@ -141,10 +137,11 @@ class SwapStep:
             self._read(tag)
         return outputs
 
-    def holds(self, x):
-        """Whether `x` is a swapped tensor of this step."""
-        array = internals.jax_concrete(x)
-        return array is not None and id(array) in self.tag_of
+    @staticmethod
+    def traceable(arrays):
+        """Whether a call on `arrays` can run here: each has a concrete
+        value (none does where the step is traced)."""
+        return all(internals.jax_concrete(x) is not None for x in arrays)
 
     def kept_on_device(self):
         """How many swapped tensors stayed on the device (a reader outside
