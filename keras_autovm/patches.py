@@ -139,8 +139,9 @@ def retrace(model, patches):
     # had before AutoVM comes back last.
     patches.set(model, "train_function", None)
     model.make_train_function(force=True)
+    vars(model)["train_function"] = patches.guarded(model.train_function)
     if keras.backend.backend() == "jax":
-        patches.set(model, "train_function", _reattaching_state(model, model.train_function))
+        vars(model)["train_function"] = _reattaching_state(model, model.train_function)
 
 
 def _reattaching_state(model, function):
@@ -157,7 +158,6 @@ def _reattaching_state(model, function):
             raise
 
     return train_function
-    vars(model)["train_function"] = patches.guarded(model.train_function)
 
 
 def inner_layers(model):

@@ -219,6 +219,9 @@ def test_scratch_no_plan_fits_stops_before_the_first_step(monkeypatch):
         model.fit(*data(16), batch_size=8, verbose=0, callbacks=[autovm("offload_all")])
     assert error.value.min_budget > 2**30
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    # And AutoVM's changes are undone (the training function was guarded).
+    assert not {"train_step", "compute_loss_and_updates", "evaluate"} & set(vars(model))
+    assert model.jit_compile is False
 
 
 class Block(keras.layers.Layer):

@@ -124,7 +124,6 @@ class CompiledCall:
                 [next(d_weights) if v.trainable else zero(x)
                  for v, x in zip(self.variables, values)])
 
-
     def program(self, name, *args, ahead=False):
         """The executable of program `name` ("forward" or "backward") for
         arguments of the types of `args` (arrays or `ShapeDtypeStruct`s),
