@@ -4,7 +4,8 @@ The memory model can under-count what a backend allocates (framework
 scratch, kernels' workspaces chosen at run time). Where the mechanism can
 tell that an out-of-memory error left no weight or optimizer state changed
 (torch: the forward or backward pass failed, eagerly, before the optimizer
-ran), the first step under each plan is guarded: on such an error, the
+ran; JAX's swap step, run without jit: its state is its arguments), the
+first step under each plan is guarded: on such an error, the
 layer state and metrics it updated are restored, AutoVM learns that the
 plan needs at least the device's memory (the step did not fit in it), so
 that plans must fit the limit divided by that overhead (`memory_scale`),
@@ -35,9 +36,10 @@ def run_step(runtime, model, original, args, x):
     for _ in range(RETRIES):
         if applied is None or applied in runtime.proven:
             return original(*args)
-        state = _snapshot(model)
+        state = [] if mechanism.stateless_steps else _snapshot(model)
         try:
             result = original(*args)
+            mechanism.wait(result)  # JAX reports running out of memory late.
         except Exception as error:  # noqa: BLE001 -- re-raised unless recoverable
             if not mechanism.out_of_memory(error):
                 raise

@@ -5,6 +5,7 @@ the device buffers a swap frees can be counted with `jax.live_arrays()`.
 """
 
 import dataclasses
+import warnings
 
 import keras
 import numpy as np
@@ -222,6 +223,41 @@ def test_scratch_no_plan_fits_stops_before_the_first_step(monkeypatch):
     # And AutoVM's changes are undone (the training function was guarded).
     assert not {"train_step", "compute_loss_and_updates", "evaluate"} & set(vars(model))
     assert model.jit_compile is False
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_first_step_out_of_memory_is_replanned_and_run_again(where, monkeypatch):
+    # The eager swap step takes its state as arguments: one that ran out of
+    # memory (here, once, in one call's program) changed nothing and runs
+    # again under a plan made with the overhead learnt.
+    # Keeping all fits 1.1x over the budget less headroom (the scratch
+    # planned); after the failure, the plan swaps. Both run the same
+    # compiled calls: the same weights.
+    roomy = autovm("greedy_offload")
+    reference = train(skip_model, [roomy])
+    assert roomy.plan.counts()["swap"] == 0
+    budget = int(roomy.plan.result.peak_bytes / 0.85 * 1.1)
+    method = getattr(calls.CompiledCall, where)
+    failures = []
+
+    def runs_out_once(self, *args):
+        if not failures:
+            failures.append(where)
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
+        return method(self, *args)
+
+    monkeypatch.setattr(calls.CompiledCall, where, runs_out_once)
+    callback = keras_autovm.AutoVM(budget=budget, headroom=0.15, policy="greedy_offload",
+                                   verbose=0, apply_without_gpu=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = train(skip_model, [callback])
+    said = [str(w.message) for w in caught if "ran out of GPU memory" in str(w.message)]
+    stats = callback.report.stats
+    assert len(said) == 1 and failures == [where] and stats["out_of_memory_replans"] == 1
+    assert stats["memory_scale"] > 1 and callback.plan.counts()["swap"] > 0
+    assert max_diff(model, reference) == 0.0
 
 
 class Block(keras.layers.Layer):

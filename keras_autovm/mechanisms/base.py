@@ -127,6 +127,11 @@ class Mechanism:
     #: memory can be run again (`out_of_memory` says when).
     reruns_steps = False
 
+    #: Whether a training step takes its state as arguments and returns
+    #: the new state (JAX), so that one that failed changed nothing in the
+    #: model: there is nothing to restore before it runs again.
+    stateless_steps = False
+
     #: Whether each training step runs the layers' Python (torch), not a
     #: program traced once (TensorFlow, JAX): the wrapper then skips the
     #: Python it can (`AutoVMWrapper.__call__`).
@@ -147,6 +152,10 @@ class Mechanism:
 
     def release_memory(self):
         """Hands back what a failed step left in the allocator's cache."""
+
+    def wait(self, result):
+        """Waits until the device has computed `result` (a step's outputs),
+        so that an error it meets (out of memory) is raised here."""
 
     def device_name(self):
         """The device training runs on, as a cache key: the GPU's name, or

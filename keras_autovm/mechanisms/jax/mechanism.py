@@ -11,6 +11,7 @@ offload through the checkpoint policy (measured: no device memory saved).
 
 import dataclasses
 import functools
+import gc
 import time
 
 import jax
@@ -88,6 +89,25 @@ class JaxMechanism(Mechanism):
         """Bytes the host copies moved in this fit (`swap.py` counts them)."""
         return {"to_host": self.stats["bytes_to_host"],
                 "to_device": self.stats["bytes_to_device"]}
+
+    #: Keras's JAX step is a function of its state: a failed one changed nothing.
+    stateless_steps = True
+
+    @property
+    def reruns_steps(self):
+        """An eager swap step runs again after running out of memory (its
+        state is its arguments, donated to nothing); a jitted step is
+        compiled whole, and gives its state's buffers to the program."""
+        return self._eager
+
+    def out_of_memory(self, error):
+        return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+    def release_memory(self):
+        gc.collect()  # The failed step's arrays, if a cycle holds them.
+
+    def wait(self, result):
+        jax.block_until_ready(result)
 
     @property
     def replays_segments(self):
