@@ -246,9 +246,16 @@ def jax_state_reattached(model, state):
     Keras's JAX `fit` takes the values out of the model's variables before
     an epoch's first step (to hold one copy of the weights, not two) and
     puts them back only at the epoch's end; a step that raises leaves them
-    out, and the model's weights can no longer be read. Keras 3.15.1
+    out, and the model's weights can no longer be read. State a compiled
+    step was given (donated) and deleted cannot be put back: nothing is
+    done then. Keras 3.15.1
     (`JAXTrainer.fit`, `_jax_state`, `jax_state_sync`).
     """
+    import jax
+
+    if any(x.is_deleted() for x in jax.tree_util.tree_leaves(state)
+           if isinstance(x, jax.Array)):
+        return  # Given to a compiled step that ran (donated): nothing to put back.
     names = ("trainable_variables", "non_trainable_variables",
              "optimizer_variables", "metrics_variables")
     model._jax_state = dict(zip(names, state))

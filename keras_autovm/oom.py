@@ -45,12 +45,14 @@ def run_step(runtime, model, original, args, x):
                 raise
             reason = str(error).strip().splitlines()[-1][:480]
         else:
-            runtime.proven.add(applied)
+            # The plan that ran: the step may have replanned before it ran
+            # (JAX, with its programs' scratch).
+            runtime.proven.add(runtime.plan_for_inputs(x))
             return result
         # Out of the except block: the failed step's tensors are unreferenced.
         _restore(state)
         mechanism.release_memory()
-        applied = _relax(runtime, applied, reason)
+        applied = _relax(runtime, runtime.plan_for_inputs(x), reason)
     return original(*args)
 
 

@@ -26,7 +26,6 @@ import keras
 from keras_autovm import internals
 from keras_autovm import oom
 from keras_autovm.model_graph import tag_names
-from keras_autovm.planner import PlanError
 from keras_autovm.wrapper import AutoVMWrapper
 
 # The CallbackList hooks `fit` calls between `on_train_begin` and the end.
@@ -146,14 +145,14 @@ def retrace(model, patches):
 
 def _reattaching_state(model, function):
     """JAX: `function` (a `fit` step on `(state, data)`), giving the model
-    its state back when AutoVM finds no plan in the step, before anything
-    ran: Keras's `fit` took the weights out of the model
-    (`internals.jax_state_reattached`)."""
+    its state back when the step raises (AutoVM found no plan, the device
+    ran out of memory, an interrupt): Keras's `fit` took the weights out of
+    the model (`internals.jax_state_reattached`)."""
     @functools.wraps(function)
     def train_function(state, data):
         try:
             return function(state, data)
-        except PlanError:
+        except BaseException:
             internals.jax_state_reattached(model, state)
             raise
 

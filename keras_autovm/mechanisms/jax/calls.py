@@ -15,7 +15,7 @@ Compiling a convolution's program autotunes it, with scratch memory beside
 whatever the device holds then. Compiled in the first step, next to that
 step's live activations, VGG-19's programs took the process to 10.8 GiB
 where the plan needs 4.2 (docs/results.md). So the programs are compiled
-ahead of time (`Ahead`): the step is traced once abstractly
+ahead of time (`ahead.py`): the step is traced once abstractly
 (`jax.eval_shape`), before any activation exists, and each call compiles
 its programs at the shapes it sees; the real step runs those executables.
 """
@@ -58,8 +58,8 @@ class CompiledCall:
         traces: how often the call's Python ran (tracing its programs:
             once for its shapes, once per program and input shape).
         programs: its compiled executables, by program and argument types.
-        temp_bytes: the most scratch memory each program needs, by name
-            (XLA's memory analysis; 0 where the backend gives none).
+        temp_bytes: the scratch memory each executable needs, by the same
+            key (XLA's memory analysis; 0 where the backend gives none).
     """
 
     def __init__(self, run, variables, inputs, stats):
@@ -73,7 +73,7 @@ class CompiledCall:
         self._forward = jax.jit(lambda inputs, values: self._traced(inputs, values)[:2])
         self._backward = jax.jit(self._vjp)
         self.programs = {}  # (program, argument types) -> compiled executable
-        self.temp_bytes = {"forward": 0, "backward": 0}  # The most, of each program
+        self.temp_bytes = {}  # (program, argument types) -> its scratch bytes
 
     def _check(self, inputs):
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
@@ -109,7 +109,7 @@ class CompiledCall:
 
     def forward(self, inputs, values):
         """`(outputs, new values of the stateful variables)`; traced inline
-        where the arguments are abstract (`Ahead`'s pass)."""
+        where the arguments are abstract (`ahead.Ahead`'s pass)."""
         if _abstract((inputs, values)):
             return self._forward(inputs, values)
         return self.program("forward", inputs, values)(inputs, values)
@@ -131,74 +131,38 @@ class CompiledCall:
         takes arrays of its types whatever their placement on the device
         (a copy back is committed, a layer output is not), which `jax.jit`'s
         cache would tell apart and compile twice."""
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak(x))
-                      for x in leaves)
-        key = (name, tree, tuple((t.shape, t.dtype, t.weak_type) for t in types))
+        key = self._key(name, args)
         program = self.programs.get(key)
         if program is None:
             function = self._forward if name == "forward" else self._backward
+            leaves, tree = jax.tree_util.tree_flatten(args)
+            types = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak(x)) for x in leaves]
             program = function.lower(*jax.tree_util.tree_unflatten(tree, types)).compile()
             self.programs[key] = program
             analysis = program.memory_analysis()  # None where the backend has none
-            temp = getattr(analysis, "temp_size_in_bytes", 0)
-            self.temp_bytes[name] = max(self.temp_bytes[name], temp)
+            self.temp_bytes[key] = getattr(analysis, "temp_size_in_bytes", 0)
             self.stats["max_program_temp_bytes"] = max(
-                self.stats["max_program_temp_bytes"], temp)
+                self.stats["max_program_temp_bytes"], self.temp_bytes[key])
             self.stats["programs_compiled_ahead" if ahead else "programs_compiled_in_steps"] += 1
         return program
+
+    @staticmethod
+    def _key(name, args):
+        # Looked up on every call of every step: plain tuples, no objects.
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        return name, tree, tuple((x.shape, x.dtype, _weak(x)) for x in leaves)
 
     def compile_ahead(self, inputs, values):
         """Compiles both programs for arguments shaped like `inputs` and
         `values` (abstract or concrete), the backward's cotangents shaped
-        like the forward's outputs."""
+        like the forward's outputs; returns their scratch bytes,
+        `(forward, backward)`."""
         self.program("forward", inputs, values, ahead=True)
         outputs = jax.eval_shape(self._forward, inputs, values)[0]
         cotangents = jax.tree_util.tree_map(_cotangent_type, outputs)
         self.program("backward", inputs, values, cotangents, ahead=True)
-
-
-class Ahead:
-    """Stands in for a step's `swap.SwapStep` while the step is traced
-    abstractly (`jax.eval_shape`) before it runs: each call compiles its
-    programs (`CompiledCall.compile_ahead`) and is traced inline; nothing
-    is copied or freed. `scratch` gathers, by reader (a layer, or the
-    first layer of a segment), the most scratch memory its forward and
-    backward programs need.
-
-    Args:
-        compiled: dict of compiled calls (`call_key` -> `CompiledCall`),
-            the one the steps use; added to.
-        stats: dict of counters to add to (the mechanism's).
-    """
-
-    def __init__(self, compiled, stats):
-        self.compiled, self.stats = compiled, stats
-        self.scratch = {}  # reader -> (forward, backward) scratch bytes
-
-    @staticmethod
-    def traceable(arrays):
-        return True
-
-    def pin(self, inputs):
-        pass
-
-    def after_layer(self, name, outputs):
-        return outputs
-
-    def call(self, run, inputs, variables, reader, key=None):
-        compiled = find(self.compiled, key, run, variables, inputs, self.stats)
-        if compiled.runs_as_keras:
-            return run(*inputs)
-        values = [v.value for v in variables]
-        compiled.compile_ahead(inputs, values)
-        old = self.scratch.get(reader, (0, 0))
-        self.scratch[reader] = (max(old[0], compiled.temp_bytes["forward"]),
-                                max(old[1], compiled.temp_bytes["backward"]))
-        outputs, state = compiled.forward(inputs, values)
-        for variable, value in zip(compiled.stateful, state):
-            variable.assign(value)
-        return outputs
+        return (self.temp_bytes[self._key("forward", (inputs, values))],
+                self.temp_bytes[self._key("backward", (inputs, values, cotangents))])
 
 
 def find(compiled, key, run, variables, inputs, stats):

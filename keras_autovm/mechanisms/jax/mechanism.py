@@ -9,7 +9,6 @@ training step runs without jit and swaps by explicit host copies
 offload through the checkpoint policy (measured: no device memory saved).
 """
 
-import dataclasses
 import functools
 import gc
 import time
@@ -21,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from keras_autovm import internals
 from keras_autovm.planner import format_bytes
 from keras_autovm.mechanisms.base import Mechanism
+from keras_autovm.mechanisms.jax import ahead
 from keras_autovm.mechanisms.jax import calls
 from keras_autovm.mechanisms.jax import compiled
 from keras_autovm.mechanisms.jax import swap
@@ -46,7 +46,7 @@ class JaxMechanism(Mechanism):
     #: Compiled calls an eager step may enqueue ahead of the device.
     run_ahead = RUN_AHEAD
     #: Whether an eager step's programs are compiled before it runs, away
-    #: from its activations (`calls.Ahead`), or as each call first runs.
+    #: from its activations (`ahead.py`), or as each call first runs.
     compile_ahead = True
 
     def __init__(self):
@@ -67,8 +67,7 @@ class JaxMechanism(Mechanism):
         self._unchanged = {}  # AppliedPlan -> whether it runs unchanged.
         self._peaks = {}  # (batch size, actions) -> XLA's peak (`_xla_peak`).
         self._compiled = {}  # Eager steps' compiled calls (`calls.call_key`).
-        self._ahead = set()  # (plan, batch types) compiled ahead (`_compile_ahead`).
-        self._scratch = {}  # batch size -> {op name: (forward, backward) scratch bytes}
+        self._ahead = ahead.AheadOfSteps(self._compiled, self.stats)
 
     def actions(self):
         return ("keep", "swap", "recompute")
@@ -221,7 +220,8 @@ class JaxMechanism(Mechanism):
                             optimizer_variables=optimizer_variables)
         if self._eager:  # A plan keeping all runs the compiled calls too.
             if self.compile_ahead:
-                applied = self._compiled_ahead(original, runtime, applied, args)
+                applied = self._ahead.prepare(runtime, applied, args,
+                                              functools.partial(self._trace, original))
             return self._eager_loss(original, applied, tv, ntv, mv, x, y, sw,
                                     optimizer_variables)
         # XLA's analysis is of a compiled step: a step run without jit (its
@@ -333,64 +333,20 @@ class JaxMechanism(Mechanism):
         if old.unchanged and new.actions == old.actions and compiled.fits(peak, new):
             compiled.run_unchanged(new, peak)
 
-    def _compiled_ahead(self, original, runtime, applied, args):
-        """`applied`, its programs compiled ahead (`_compile_ahead`); or,
-        where they need scratch memory the plan did not count, a plan made
-        again with it (`adjust_graph`), compiled ahead in turn. A budget
-        that scratch leaves no plan for raises `PlanError` here, in the
-        first step, before it runs."""
-        for _ in range(MAX_CHECKS):
-            batch_size = applied.plan.graph.batch_size
-            known = self._scratch.setdefault(batch_size, {})
-            scratch = self._compile_ahead(original, runtime, applied, args)
-            new = {name: tuple(map(max, known.get(name, (0, 0)), n))
-                   for name, n in scratch.items()}
-            if all(known.get(name) == n for name, n in new.items()):
-                return applied
-            known.update(new)
-            name = max(known, key=lambda k: max(known[k]))
-            runtime.warn(
-                f"AutoVM planned again with the scratch memory its compiled "
-                f"programs need, by XLA's memory analysis (the most: "
-                f"{format_bytes(max(known[name]))}, {name!r}).")
-            self.stats["scratch_replans"] += 1
-            runtime.plans.forget(batch_size)
-            runtime.replace(runtime.plans.plan(batch_size))
-            applied = runtime.plan_for_inputs(args[3])
-        return applied
+    def adjust_graph(self, graph, model, input_shapes=None):
+        """`graph` with the scratch memory each op's compiled programs need
+        in the eager swap step (`ahead.AheadOfSteps.adjust`)."""
+        return self._ahead.adjust(graph)
 
-    def _compile_ahead(self, original, runtime, applied, args):
-        """Compiles the programs of an eager step under `applied` on batches
-        like `args`' before its first step (`calls.Ahead`), by tracing the
-        step abstractly: once per plan and batch shape. Returns the scratch
-        memory they need, by layer (`calls.Ahead.scratch`)."""
-        key = (id(applied), tuple((tuple(a.shape), str(a.dtype))
-                                  for a in jax.tree_util.tree_leaves(args[3:6])))
-        if key in self._ahead:
-            return {}
-        self._ahead.add(key)
-        runtime_stats = dict(runtime.stats)
-        start = time.perf_counter()
-        self._step = ahead = calls.Ahead(self._compiled, self.stats)
+    def _trace(self, original, step, args):
+        """Traces the loss of a step on `args` abstractly, with `step` (an
+        `ahead.Ahead`) standing in for the step's `swap.SwapStep`."""
+        self._step = step
         try:
             jax.eval_shape(lambda *a: original(*a[:6], training=True, optimizer_variables=a[6]),
                            *args)
         finally:
             self._step = None
-            runtime.stats.update(runtime_stats)  # The abstract pass ran no segment.
-        self.stats["compile_ahead_s"] += time.perf_counter() - start
-        return ahead.scratch
-
-    def adjust_graph(self, graph, model, input_shapes=None):
-        """`graph` with the scratch memory each op's compiled programs need
-        in the eager swap step (forward, backward), where they were
-        compiled at the graph's batch size (`_compiled_ahead`); a
-        segment's, its first layer's. Unknown before: the graph is then
-        unchanged."""
-        scratch = self._scratch.get(graph.batch_size) or {}
-        return dataclasses.replace(graph, ops=tuple(
-            dataclasses.replace(op, scratch_bytes=scratch[op.name])
-            if op.name in scratch else op for op in graph.ops))
 
     def _eager_loss(self, original, applied, tv, ntv, mv, x, y, sw, ov):
         """The forward of one eager swap step; its backward follows, in
