@@ -146,7 +146,7 @@ class Ahead:
             return run(*inputs)
         values = [v.value for v in variables]
         self._last = compiled.compile_ahead(inputs, values)
-        outputs, state = compiled.forward(inputs, values)
+        outputs, state = compiled.traced_forward(inputs, values)
         for variable, value in zip(compiled.stateful, state):
             variable.assign(value)
         return outputs

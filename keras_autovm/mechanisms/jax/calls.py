@@ -108,11 +108,13 @@ class CompiledCall:
         return vjp(cotangents)
 
     def forward(self, inputs, values):
-        """`(outputs, new values of the stateful variables)`; traced inline
-        where the arguments are abstract (`ahead.Ahead`'s pass)."""
-        if _abstract((inputs, values)):
-            return self._forward(inputs, values)
+        """`(outputs, new values of the stateful variables)`, on arrays."""
         return self.program("forward", inputs, values)(inputs, values)
+
+    def traced_forward(self, inputs, values):
+        """`forward` traced inline, on abstract arguments (`ahead.Ahead`'s
+        pass): an executable takes only arrays."""
+        return self._forward(inputs, values)
 
     def backward(self, inputs, values, cotangents):
         """Cotangents of `(inputs, values)` from those of the outputs;
@@ -237,10 +239,6 @@ def call_key(site, structure, leaves, found, kwargs, variables):
     except TypeError:
         return None
     return key
-
-
-def _abstract(tree):
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _weak(x):

@@ -48,6 +48,8 @@ class JaxMechanism(Mechanism):
     #: Whether an eager step's programs are compiled before it runs, away
     #: from its activations (`ahead.py`), or as each call first runs.
     compile_ahead = True
+    #: Keras's JAX step is a function of its state: a failed one changed nothing.
+    stateless_steps = True
 
     def __init__(self):
         super().__init__()
@@ -88,9 +90,6 @@ class JaxMechanism(Mechanism):
         """Bytes the host copies moved in this fit (`swap.py` counts them)."""
         return {"to_host": self.stats["bytes_to_host"],
                 "to_device": self.stats["bytes_to_device"]}
-
-    #: Keras's JAX step is a function of its state: a failed one changed nothing.
-    stateless_steps = True
 
     @property
     def reruns_steps(self):
