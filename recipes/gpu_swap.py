@@ -385,31 +385,37 @@ def part_plan(args):
             for m in args.methods.split(",") if m.startswith("autovm") or m == "incore"}
 
 
-def largest(args, model):
-    """The largest batch each method trains under the cap, one process a try."""
+def largest(args, model, found=None, save=lambda: None):
+    """The largest batch each method trains under the cap, one process a
+    try, into `found` (method -> result); `save()` after each try, so a
+    run cut off keeps the tries it finished."""
     predicted = spawn(args, "plan", model).get("result", {})
-    found = {}
+    found = {} if found is None else found
     for method in args.methods.split(","):
         tries = []
+        found[method] = {"largest": None, "tries": tries}  # Saved as it goes.
         if method in predicted:
-            found[method] = dict(step_from(args, model, method, predicted[method], tries),
-                                 predicted=predicted[method])
+            found[method] = dict(step_from(args, model, method, predicted[method], tries,
+                                           save), predicted=predicted[method])
         else:  # RematScope: bisect above what in-core trains.
             low = (found.get("incore") or {}).get("largest") or 8
             high = low * 4
             while high - low > max(2, low // 16):
                 mid = (low + high) // 2
                 tries.append(one(args, model, method, mid))
+                save()
                 low, high = (mid, high) if tries[-1].get("status") == "ok" else (low, mid)
             found[method] = {"largest": low, "tries": tries}
         print(f"[largest] {model} {method}: {found[method]['largest']}", flush=True)
+        save()
     return found
 
 
-def step_from(args, model, method, batch, tries):
+def step_from(args, model, method, batch, tries, save=lambda: None):
     """From a predicted batch: down 10% at a time while it runs out of
     memory; up 10% at a time while it trains (at most 3 steps up)."""
     tries.append(one(args, model, method, batch))
+    save()
     ok = tries[-1].get("status") == "ok"
     best = batch if ok else None
     for _ in range(3 if ok else 8):
@@ -417,6 +423,7 @@ def step_from(args, model, method, batch, tries):
         if batch < 1:
             break
         tries.append(one(args, model, method, batch))
+        save()
         if (tries[-1].get("status") == "ok") != ok:
             break
         best = batch if ok else best
@@ -546,7 +553,8 @@ def main():
             got["predict"] = {"result": predict(args, model)}
             save()
         if "largest" in parts:
-            got["largest"] = {"result": largest(args, model)}
+            got["largest"] = {"result": {}}
+            largest(args, model, got["largest"]["result"], save)
             save()
         if "throughput" in parts:
             found = got.get("largest", {}).get("result", {})
