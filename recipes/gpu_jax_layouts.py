@@ -11,13 +11,14 @@ batch 128 (docs/results.md). Each program receives and returns arrays in
 the default (row-major, channels-last) layout; a GPU convolution may want
 another, so a program may transpose at both ends. For a few layers of
 VGG-19 this compiles each program twice, with the default layouts and with
-`Layout.AUTO` at the activations' boundary (weights stay default), and
+`Layout.AUTO` for the activations at its boundary (the weights go in in
+the default layout; the kernel gradient's comes back as XLA picks), and
 records per program: XLA's memory analysis (temp, arguments, outputs), the
 layouts XLA chose, the transposes and layout copies and the cuDNN
 workspaces in the optimized HLO, and the median time of 10 runs. Then, on
-AUTO layouts: whether the layout one layer's forward returns is the layout
-the next layer's forward takes, and whether an array in that layout goes
-to pinned host memory and back unchanged.
+AUTO layouts: the layout each probed layer's forward takes and gives
+(`auto_chain`), and whether `block1_conv1`'s output in its layout goes to
+pinned host memory and back unchanged.
 """
 
 import argparse

@@ -18,7 +18,10 @@ live at its own peak (`SimResult.peak_live`) for the AutoVM variants.
 Variants (`--variant`): `keras` (Keras's step, `jit_compile=False`),
 `keras_xla` (Keras's default on TensorFlow: under XLA an op is a compiled
 cluster, so the breakdown is by cluster), `autovm:<policy>` (with
-`AutoVM(policy=<policy>)`; a policy that swaps turns XLA off).
+`AutoVM(policy=<policy>)`, compiled as Keras compiles by default, with
+XLA; AutoVM turns it off for a policy that swaps). Memory held from
+before the traced step (weights, optimizer state) is one total, not
+broken down.
 On a CPU (`--smoke`, a small CNN) the trace is of TensorFlow's CPU
 allocator, made a BFC allocator for it (`TF_CPU_ALLOCATOR_USE_BFC`).
 """
@@ -177,11 +180,15 @@ def run(args):
     import tensorflow as tf
 
     if args.cap_gib:
+        if not tf.config.list_physical_devices("GPU"):
+            raise ValueError(f"--cap-gib={args.cap_gib} needs a GPU; there is none.")
         gpu = tf.config.list_physical_devices("GPU")[0]
         tf.config.set_logical_device_configuration(
             gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=int(args.cap_gib * 1024))])
     device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
-    model = build(args.model, jit=args.variant == "keras_xla")
+    # Keras's default on TensorFlow is XLA; AutoVM turns it off itself for a
+    # policy that swaps (and says so).
+    model = build(args.model, jit=args.variant != "keras")
     callbacks = []
     if args.variant.startswith("autovm:"):
         import keras_autovm
