@@ -2,6 +2,8 @@
 
     python3 recipes/gpu_tf_memory_trace.py --model vgg19 --batch 64 \\
         --variant autovm:offload_all --out results/tensorflow/trace.json
+    python3 recipes/gpu_tf_memory_trace.py --model vgg19 --batch 32,64 \
+        --variant keras,keras_xla,autovm:keep_all,autovm:offload_all --out ...
     python3 recipes/gpu_tf_memory_trace.py --smoke --out /tmp/trace.json   # CPU
 
 On a GPU, TensorFlow with AutoVM's explicit swap used 1.5x to 2.2x the
@@ -205,7 +207,9 @@ def run(args):
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
               callbacks=callbacks)
     events = allocator_events(logdir, device)
-    found = live_at_peak(events) or {}
+    if not events:
+        raise RuntimeError(f"the profiler recorded no allocation of the {device}'s allocator")
+    found = live_at_peak(events)
     layers = {layer.name for layer in model.layers}
     rows, regions = group(found.pop("live", []), layers)
     out = {"device_kind": device, "events": len(events), **found,
@@ -221,15 +225,22 @@ def run(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vgg19", choices=("vgg19", "resnet152", "small"))
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--variant", default="keras")
+    parser.add_argument("--batch", default="64", help="one batch size, or several: 32,64")
+    parser.add_argument("--variant", default="keras", help="one variant, or several: "
+                        "keras,keras_xla,autovm:keep_all,autovm:offload_all")
     parser.add_argument("--steps", type=int, default=3, help="the last one is traced")
     parser.add_argument("--cap-gib", type=float, default=0.0)
     parser.add_argument("--budget-gib", type=float, default=0.0,
                         help="AutoVM's budget (default: none, or the device's memory)")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds for each run, when there are several")
     parser.add_argument("--smoke", action="store_true", help="a small CNN, on a CPU")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    runs = [(v, int(b)) for b in args.batch.split(",") for v in args.variant.split(",")]
+    if len(runs) > 1:
+        return several(args, runs)
+    args.variant, args.batch = runs[0]
     if args.smoke:
         args.model, args.batch = "small", min(args.batch, 16)
     import keras
@@ -248,9 +259,36 @@ def main():
     print_summary(result)
 
 
+def several(args, runs):
+    """Each (variant, batch) of `runs` in its own process (a process's
+    allocator and peak are its run's); one JSON file, rewritten after each
+    run so that a machine cut off keeps what was done."""
+    import subprocess
+    out = {"command": " ".join(["python3"] + sys.argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (variant, batch) in enumerate(runs):
+            path = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(batch),
+                   "--variant", variant, "--steps", str(args.steps), "--cap-gib",
+                   str(args.cap_gib), "--budget-gib", str(args.budget_gib), "--out", path]
+            cmd += ["--smoke"] if args.smoke else []
+            try:
+                subprocess.run(cmd, timeout=args.timeout, check=False)
+                with open(path) as f:
+                    out["runs"].append(json.load(f))
+            except (subprocess.TimeoutExpired, OSError, ValueError) as error:
+                out["runs"].append({"variant": variant, "batch": batch,
+                                    "error": f"{type(error).__name__}: {error}"[-500:]})
+                print_summary(out["runs"][-1])
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+
+
 def print_summary(result):
     if "error" in result:
-        print("error:", result["error"])
+        print(f"{result.get('variant')}, batch {result.get('batch')}: {result['error']}")
         return
     print(f"{result['variant']}, batch {result['batch']}: peak {result['peak_bytes'] / GiB:.3f} "
           f"GiB in the traced step ({result['events']} allocator events; held before it "
