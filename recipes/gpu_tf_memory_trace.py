@@ -159,6 +159,13 @@ def group(live, layers):
     return rows, dict(by_region)
 
 
+def largest(live, count=30):
+    """The `count` largest allocations live at the peak: op, shape, region."""
+    keys = ("allocation_bytes", "tf_op", "shape", "region_type", "data_type")
+    return [{k: stats.get(k) for k in keys} for stats in
+            sorted(live, key=lambda s: -s.get("allocation_bytes", 0))[:count]]
+
+
 def _pass(op):
     lower = op.lower()
     if "gradient_tape" in lower or "gradients" in lower:
@@ -211,9 +218,11 @@ def run(args):
         raise RuntimeError(f"the profiler recorded no allocation of the {device}'s allocator")
     found = live_at_peak(events)
     layers = {layer.name for layer in model.layers}
-    rows, regions = group(found.pop("live", []), layers)
+    live = found.pop("live", [])
+    rows, regions = group(live, layers)
     out = {"device_kind": device, "events": len(events), **found,
-           "live_at_peak": rows, "live_at_peak_by_region": regions}
+           "live_at_peak": rows, "live_at_peak_by_region": regions,
+           "largest_live_at_peak": largest(live)}
     if callbacks[0] is not callbacks[-1] and callbacks[0].plan is not None:
         plan = callbacks[0].plan
         out.update(predicted_peak_bytes=plan.result.peak_bytes, policy=plan.policy,
