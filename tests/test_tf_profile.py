@@ -36,10 +36,11 @@ def model(copies=(4, 1)):
     return keras.Model(inputs, keras.layers.Flatten(name="flat")(x))
 
 
-def test_temporaries_are_measured_per_call_and_grow_with_the_batch():
+def test_temporaries_are_measured_per_call_at_the_batch_planned():
     from keras_autovm.mechanisms.tensorflow import profile
-    measured = profile.measure(model(), where="CPU:0")
-    per_sample = {name: line[1] for name, line in measured.items()}
+    measured = profile.measure(model(), 4, where="CPU:0")
+    assert measured.batch_size == 4
+    per_sample = {name: measured.at(name, 1) for name in measured.by_op}
     one = 64 * 64 * 8 * 4  # Bytes of one sample of `wide`'s input.
     # At least the forward's four temporaries of the input's size at once
     # (the backward may hold more, as the executor orders its ops), and one
@@ -60,17 +61,37 @@ def test_measured_transients_become_workspace(monkeypatch):
     plain = {op.name: op for op in keras_autovm.budget.build_graph(net, 16).ops}
     assert ops["wide"].workspace_bytes > 3 * 16 * 64 * 64 * 8 * 4
     assert plain["wide"].workspace_bytes == 0
-    # Measured once per model: a second graph does not measure again.
+    # Measured once per model, at the first batch size; other batch sizes
+    # in proportion.
     monkeypatch.setattr(profile, "_run", lambda *a: pytest.fail("measured twice"))
     assert keras_autovm.budget.graph_for(net, 16, mech).ops == graph.ops
+    doubled = {op.name: op for op in keras_autovm.budget.graph_for(net, 32, mech).ops}
+    assert abs(doubled["wide"].workspace_bytes - 2 * ops["wide"].workspace_bytes) <= 1
+
+
+def test_a_batch_that_runs_out_of_memory_is_measured_at_half(monkeypatch):
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import profile
+    tried = []
+
+    def run(model, batch_size, shapes, where):
+        tried.append(batch_size)
+        if batch_size > 8:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+        return {"wide": 100 * batch_size}
+
+    monkeypatch.setattr(profile, "_run", run)
+    measured = profile.measure(model(), 40, where="CPU:0")
+    assert tried == [40, 20, 10, 5] and measured.at("wide", 40) == 4000
 
 
 def test_without_a_gpu_nothing_is_measured(monkeypatch):
     from keras_autovm.mechanisms.tensorflow import profile
     monkeypatch.setattr(profile, "_run", lambda *a: pytest.fail("measured without a GPU"))
-    assert profile.measure(model()) == {}
+    assert profile.measure(model(), 4) is None
     graph = keras_autovm.budget.build_graph(model(), 4)
-    assert profile.adjust(graph, {}) is graph
+    assert profile.adjust(graph, None) is graph
 
 
 def test_measuring_changes_no_state():
@@ -78,6 +99,6 @@ def test_measuring_changes_no_state():
     net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d"),
                             keras.layers.BatchNormalization(name="bn")])
     before = [keras.ops.convert_to_numpy(v) for v in net.variables]
-    profile.measure(net, where="CPU:0")
+    profile.measure(net, 4, where="CPU:0")
     for old, new in zip(before, net.variables):
         np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(new))

@@ -275,15 +275,3 @@ def variable_values(operation):
         return [], []
     return ([v.value for v in operation.trainable_variables],
             [v.value for v in operation.non_trainable_variables])
-
-
-def line_through(b0, y0, b1, y1):
-    """`(fixed, per_sample)` of the line through two measurements `y0` and
-    `y1` made at batch sizes `b0` and `b1`."""
-    slope = (y1 - y0) / (b1 - b0)
-    return (y0 - slope * b0, slope)
-
-
-def bytes_at(line, batch_size):
-    """A `line_through`'s bytes at `batch_size` (never negative)."""
-    return max(0, int(round(line[0] + line[1] * batch_size)))

@@ -85,11 +85,13 @@ class TensorFlowMechanism(Mechanism):
         return timing.time_call(operation, args, kwargs, repeats)
 
     def adjust_graph(self, graph, model, input_shapes=None):
-        """Each op's kernels' temporaries as measured on the GPU
-        (`profile.py`); without a GPU, `graph` as it is."""
+        """Each op's kernels' temporaries as measured on the GPU at the
+        first batch size planned (`profile.py`); without a GPU, `graph` as
+        it is."""
         key = (id(model), input_shapes)
         if self._profiles.get(key, (None,))[0] is not model:
-            self._profiles[key] = (model, profile.measure(model, input_shapes))
+            self._profiles[key] = (model, profile.measure(model, graph.batch_size,
+                                                          input_shapes))
         return profile.adjust(graph, self._profiles[key][1])
 
     def device_memory(self):

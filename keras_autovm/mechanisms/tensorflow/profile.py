@@ -2,16 +2,19 @@
 
 TensorFlow's GPU kernels allocate temporaries that the planner's table of
 layer outputs does not list. A float32 channels-last convolution runs in
-cuDNN's channels-first layout, so its backward holds transposed copies of
-its input, its output gradient and its input gradient: on an H100, VGG-19's
-`block1_conv2` backward at batch 64 held three 784 MiB temporaries beside
-the tensors the plan had live (results/tensorflow/trace/). `measure(model)`
-runs the forward pass at two small batch sizes and, for each distinct layer
-call, its forward and its backward alone (`timing.transient_bytes`);
-`adjust(graph, measured)` makes the larger of the two each op's
-`workspace_bytes`, sized `fixed + per_sample * batch_size` from the two
-runs. Only where the allocator is a GPU's: without one, nothing is measured
-and the graph is left as it is.
+cuDNN's channels-first layout and with the workspace its algorithm search
+chose: on an H100, VGG-19's `block1_conv2` backward at batch 64 held a
+1.53 GiB cuDNN workspace and a 784 MiB channels-first copy beside the
+tensors the plan had live (results/tensorflow/trace/). `measure(model,
+batch_size)` runs the forward pass at that batch size and, for each
+distinct layer call, its forward and its backward alone
+(`timing.transient_bytes`); `adjust(graph, measured)` makes the larger of
+the two each op's `workspace_bytes`, in proportion to the graph's batch
+size. The algorithm search picks workspaces by batch size (at batch 2 and
+4 they are no guide to batch 64), so the measuring batch is the one
+planned for; where that runs out of memory, half of it, and so on. Only
+where the allocator is a GPU's: without one, nothing is measured and the
+graph is left as it is.
 """
 
 import dataclasses
@@ -20,15 +23,21 @@ import keras
 import tensorflow as tf
 
 from keras_autovm import internals
-from keras_autovm.mechanisms.base import bytes_at
-from keras_autovm.mechanisms.base import line_through
 from keras_autovm.mechanisms.tensorflow import timing
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.profile_cache import call_key
 
-# The batch sizes of the two measuring runs.
-SIZES = (2, 4)
+
+@dataclasses.dataclass(frozen=True)
+class Transients:
+    """Each op's transient bytes (`by_op`), measured at `batch_size`."""
+
+    batch_size: int
+    by_op: dict
+
+    def at(self, name, batch_size):
+        return int(round(self.by_op[name] * batch_size / self.batch_size))
 
 
 def device():
@@ -36,26 +45,31 @@ def device():
     return "GPU:0" if tf.config.list_logical_devices("GPU") else None
 
 
-def measure(model, input_shapes=None, where=None):
-    """Maps op name to its transient bytes as `(fixed, per sample)`, for
-    every layer call of `model` run on inputs of `input_shapes` (one tuple
-    per input, without the batch) or of the model's own; `{}` where there is
-    no device to measure (`where`, default `device()`)."""
+def measure(model, batch_size, input_shapes=None, where=None):
+    """The `Transients` of every layer call of `model` run at `batch_size`
+    (or the largest half, quarter... of it that fits) on inputs of
+    `input_shapes` (one tuple per input, without the batch) or of the
+    model's own; `None` where there is no device to measure (`where`,
+    default `device()`)."""
     where = where or device()
     if where is None:
-        return {}
-    (b0, b1), (first, second) = SIZES, [_run(model, size, input_shapes, where)
-                                        for size in SIZES]
-    return {name: line_through(b0, first[name], b1, second[name]) for name in first}
+        return None
+    while True:
+        try:
+            return Transients(batch_size, _run(model, batch_size, input_shapes, where))
+        except tf.errors.ResourceExhaustedError:
+            if batch_size == 1:
+                raise
+            batch_size //= 2
 
 
 def adjust(graph, measured):
     """`graph` with each measured op's transient bytes as its workspace."""
-    if not measured:
+    if measured is None:
         return graph
     ops = tuple(dataclasses.replace(op, workspace_bytes=max(
-        op.workspace_bytes, bytes_at(measured[op.name], graph.batch_size)))
-        if op.name in measured else op for op in graph.ops)
+        op.workspace_bytes, measured.at(op.name, graph.batch_size)))
+        if op.name in measured.by_op else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops)
 
 

@@ -26,8 +26,6 @@ import keras
 import torch
 
 from keras_autovm import internals
-from keras_autovm.mechanisms.base import bytes_at
-from keras_autovm.mechanisms.base import line_through
 from keras_autovm.model_graph import call_names
 from keras_autovm.planner import Graph
 from keras_autovm.planner import TensorSpec
@@ -46,10 +44,19 @@ class Saved:
     workspace: tuple = (0.0, 0.0)  # Transient bytes: (fixed, per sample).
 
     def internal_bytes(self, batch_size):
-        return bytes_at(self.internal, batch_size)
+        return _at(self.internal, batch_size)
 
     def workspace_bytes(self, batch_size):
-        return bytes_at(self.workspace, batch_size)
+        return _at(self.workspace, batch_size)
+
+
+def _at(line, batch_size):
+    return max(0, int(round(line[0] + line[1] * batch_size)))
+
+
+def _line(b0, y0, b1, y1):
+    slope = (y1 - y0) / (b1 - b0)
+    return (y0 - slope * b0, slope)
 
 
 def measure(model, input_shapes=None):
@@ -65,8 +72,8 @@ def measure(model, input_shapes=None):
     profile = {}
     for name, (tags, nbytes, transient) in first.items():
         tags2, nbytes2, transient2 = second[name]
-        profile[name] = Saved(frozenset(tags | tags2), line_through(b0, nbytes, b1, nbytes2),
-                              line_through(b0, transient, b1, transient2))
+        profile[name] = Saved(frozenset(tags | tags2), _line(b0, nbytes, b1, nbytes2),
+                              _line(b0, transient, b1, transient2))
     return profile
 
 
