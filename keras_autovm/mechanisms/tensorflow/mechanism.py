@@ -19,7 +19,6 @@ from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
-from keras_autovm.mechanisms.tensorflow import profile
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
 
@@ -43,7 +42,6 @@ class TensorFlowMechanism(Mechanism):
         self._moves = {}  # AppliedPlan -> its `PageMoves`.
         self._explicit = None  # The `swap.ExplicitSwap` of the step being traced.
         self._own_recompute = False  # Set by `install`.
-        self._profiles = {}  # (id(model), shapes) -> (model, transient bytes)
 
     def actions(self):
         """Keep, recompute and swap.
@@ -83,16 +81,6 @@ class TensorFlowMechanism(Mechanism):
 
     def time_call(self, operation, args, kwargs, repeats):
         return timing.time_call(operation, args, kwargs, repeats)
-
-    def adjust_graph(self, graph, model, input_shapes=None):
-        """Each op's kernels' temporaries as measured on the GPU at the
-        first batch size planned (`profile.py`); without a GPU, `graph` as
-        it is."""
-        key = (id(model), input_shapes)
-        if self._profiles.get(key, (None,))[0] is not model:
-            self._profiles[key] = (model, profile.measure(model, graph.batch_size,
-                                                          input_shapes))
-        return profile.adjust(graph, self._profiles[key][1])
 
     def device_memory(self):
         """The GPU's memory limit: the logical device's cap if one is set."""
