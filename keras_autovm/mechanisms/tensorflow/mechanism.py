@@ -19,6 +19,7 @@ from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
+from keras_autovm.mechanisms.tensorflow import probe
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
 
@@ -119,17 +120,21 @@ class TensorFlowMechanism(Mechanism):
         (`swap.ExplicitSwap.rewire`), and segments recompute with
         `swap.recompute`; in both modes `jit_compile` is turned off: XLA
         cannot compile the page-moving ops, and it ignores the control
-        dependencies that time explicit copies back."""
+        dependencies that time explicit copies back. On a GPU, a plan that
+        does not swap is then measured before its first step
+        (`probe.fit_plan`) and replanned while it is over its limit."""
         may_swap = self.may_swap(runtime)
         if may_swap and not self.managed:
             patches.set(model, "train_step", self._rewire_after(model.train_step))
             self._own_recompute = True
+        said = None
         if model.jit_compile and may_swap:
             patches.set(model, "jit_compile", False)
             what = ("its TensorFlow page-moving ops" if self.managed else
                     "the control dependencies that time its host-to-device copies")
-            return f"AutoVM set jit_compile=False: XLA cannot compile {what}."
-        return None
+            said = f"AutoVM set jit_compile=False: XLA cannot compile {what}."
+        probe.fit_plan(model, runtime)
+        return said
 
     # --------------------------------------------------------- explicit swap
 

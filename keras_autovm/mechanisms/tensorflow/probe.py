@@ -1,0 +1,114 @@
+"""A plan's training step on TensorFlow, measured before the first step.
+
+Under XLA (Keras's default on TensorFlow) the training step is one compiled
+program whose scratch the planner does not model: on an H100, VGG-19's
+needed 1.51x to 1.58x the peak its plan predicted, and recompute-only plans
+AutoVM had accepted ran out of memory in their first step (docs/results.md,
+"Where TensorFlow's memory goes"). A TensorFlow step fails as a whole and is
+not run again (`oom.py`), so before the first step under a plan, `fit_plan`
+runs the model's forward and backward once, compiled as the step is, on
+zeros of the batch's shape, and reads the allocator's peak. Over the plan's
+limit, AutoVM learns the overhead (the measured peak over the predicted
+one; the device's memory over it, if the probe itself ran out of memory),
+replans and measures again, `RETRIES` times at most. The probe leaves out
+the optimizer's update and the loss: what they add is left to the
+headroom.
+"""
+
+import gc
+
+import keras
+import tensorflow as tf
+
+from keras_autovm import internals
+from keras_autovm.planner import format_bytes
+
+# Replans after a probe over the limit, before the plan is kept as it is.
+RETRIES = 2
+# How much smaller than the plan that ran out of memory the next must be.
+MARGIN = 1.05
+
+
+def device():
+    """The device whose allocator is measured: the first GPU, or `None`."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else None
+
+
+def fit_plan(model, runtime):
+    """Measures the step under `runtime.current` and replans while it is over
+    the plan's limit, saying so (`runtime.warn`)."""
+    where = device()
+    plans = runtime.plans
+    if (where is None or runtime.current is None or plans.needs_input_shapes
+            or plans.budget_bytes is None or runtime.current.names("swap")):
+        # Explicit swap rewires the step's backward, which a probe would not.
+        return
+    limit = plans.budget_bytes * (1 - plans.headroom)
+    for attempt in range(RETRIES + 1):
+        plan = runtime.current.plan
+        batch = plan.graph.batch_size
+        peak = step_peak(model, runtime, batch, where)
+        predicted = max(plan.result.peak_bytes, 1)
+        if peak is not None and peak <= limit:
+            break
+        if peak is None:  # Out of memory: it needs more than the device has.
+            scale = MARGIN * max(limit, predicted) / predicted
+            seen = f"ran out of memory (plan: {format_bytes(predicted)})"
+        else:
+            scale = peak / predicted
+            seen = f"peaked at {format_bytes(peak)} (plan: {format_bytes(predicted)})"
+        if attempt == RETRIES:
+            runtime.warn(f"AutoVM measured its step for batch size {batch} before "
+                         f"training: it {seen}, over the limit of "
+                         f"{format_bytes(limit)} after {RETRIES} replans; "
+                         "training goes on with that plan.")
+            return
+        plans.memory_scale = max(plans.memory_scale, scale)
+        new = plans.plan(batch, plans.shapes_at(batch))  # A PlanError is the user's.
+        runtime.replace(new)
+        runtime.stats["probe_replans"] = runtime.stats.get("probe_replans", 0) + 1
+        runtime.warn(f"AutoVM measured its step for batch size {batch} before "
+                     f"training: it {seen}. Replanned with a measured memory "
+                     f"overhead of {plans.memory_scale:.2f}x (predicted peak now "
+                     f"{format_bytes(new.result.peak_bytes)}).")
+
+
+def step_peak(model, runtime, batch_size, where):
+    """The allocator's peak, in bytes, while the model's forward and
+    backward run once at `batch_size` under the runtime's plan, compiled
+    with the model's `jit_compile`; `None` if that ran out of memory. No
+    variable changes: layer state is read from, and written to, a scope."""
+    fn = internals.functional_of(model)
+    inputs = [tf.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype) for x in fn.inputs]
+    state = [(v, v.value) for v in model.non_trainable_variables]
+    weights = model.trainable_variables
+
+    @tf.function(jit_compile=bool(model.jit_compile))
+    def forward_backward(inputs):
+        x = inputs if len(inputs) > 1 else inputs[0]
+        runtime.plan_for_inputs(x)
+        with tf.GradientTape() as tape, keras.StatelessScope(state_mapping=state):
+            outputs = model(x, training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
+                             for y in tf.nest.flatten(outputs)])
+        return tape.gradient(loss, weights)
+
+    _sync(where)
+    # Reading first also turns on the CPU allocator's statistics (tests).
+    tf.config.experimental.get_memory_info(where)
+    tf.config.experimental.reset_memory_stats(where)
+    try:
+        grads = forward_backward(inputs)
+        _sync(where)
+        peak = tf.config.experimental.get_memory_info(where)["peak"]
+    except tf.errors.ResourceExhaustedError:
+        peak = None
+    finally:
+        grads = forward_backward = None
+        gc.collect()
+    return peak
+
+
+def _sync(where):
+    if where.startswith("GPU"):
+        tf.test.experimental.sync_devices()
