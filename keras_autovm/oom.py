@@ -59,16 +59,7 @@ def run_step(runtime, model, original, args, x):
 def _relax(runtime, applied, reason):
     plan, plans = applied.plan, runtime.plans
     device = runtime.mechanism.device_memory() or plans.budget_bytes
-    peak = max(plan.result.peak_bytes, 1)
-    need = max(device, peak) / peak
-    # The retried plan must need at least `need` times its prediction, and
-    # fit in 1/MARGIN of the failed one: its limit is the budget less the
-    # headroom, over the scale. Where the budget is the device's memory, the
-    # headroom alone shrinks it by (1 - headroom); a margin stacked on top
-    # of both left VGG-19 at 1.5x oversubscription on torch 0.2% short of
-    # its least plan, where that plan would fit.
-    shrink = MARGIN * plans.budget_bytes * (1 - plans.headroom) / peak
-    plans.memory_scale = max(plans.memory_scale, need, shrink)
+    plans.memory_scale = max(plans.memory_scale, overhead_after_oom(plan, plans, device))
     batch = plan.graph.batch_size
     new = plans.plan(batch, plans.shapes_at(batch))  # A PlanError is the user's.
     runtime.replace(new)
@@ -83,6 +74,20 @@ def _relax(runtime, applied, reason):
         f"{plans.memory_scale:.2f}x (predicted peak now "
         f"{format_bytes(new.result.peak_bytes)}) and ran the step again.")
     return runtime.plan_for(batch, plans.shapes_at(batch))
+
+
+def overhead_after_oom(plan, plans, device):
+    """The memory overhead to plan with after `plan` ran out of `device`
+    bytes: the next plan must need at least the device's memory at its
+    prediction, and fit in 1/MARGIN of the failed one (its limit is the
+    budget less the headroom, over the scale). Where the budget is the
+    device's memory, the headroom alone shrinks it by (1 - headroom); a
+    margin stacked on top of both left VGG-19 at 1.5x oversubscription on
+    torch 0.2% short of its least plan, where that plan would fit."""
+    peak = max(plan.result.peak_bytes, 1)
+    need = max(device, peak) / peak
+    shrink = MARGIN * plans.budget_bytes * (1 - plans.headroom) / peak
+    return max(need, shrink)
 
 
 def _snapshot(model):

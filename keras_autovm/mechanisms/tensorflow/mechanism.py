@@ -59,9 +59,9 @@ class TensorFlowMechanism(Mechanism):
 
     def auto_actions(self):
         """Explicit swap is left to named policies: on an H100, swapping
-        every VGG-19 output lowered the measured peak by 8% to 15%, which
-        stayed 1.6x to 2.2x the planned one
-        (results/tensorflow/gpu_swap_tf_predict.json)."""
+        every VGG-19 output ran at 1.09x to 1.24x its planned peak, from
+        kernels' temporaries the plan does not hold (a 1.53 GiB cuDNN
+        workspace at the first block's backward; results/tensorflow/trace/)."""
         if self.managed:
             return self.actions()
         return ("keep", "recompute")
