@@ -192,6 +192,12 @@ class PlanBook:
         self.needs_input_shapes = needs_input_shapes(self.model)
         self._last_shapes = {}
 
+    @property
+    def headroom_limit(self):
+        """The budget less the headroom: what a step may measure, before
+        any learnt overhead (`memory_scale`) divides it for plans."""
+        return self.budget_bytes * (1 - self.headroom)
+
     def shapes_at(self, batch_size):
         """The input shapes last planned at `batch_size` (`None` for models
         whose inputs have concrete shapes)."""

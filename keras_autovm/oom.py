@@ -86,7 +86,7 @@ def overhead_after_oom(plan, plans, device):
     torch 0.2% short of its least plan, where that plan would fit."""
     peak = max(plan.result.peak_bytes, 1)
     need = max(device, peak) / peak
-    shrink = MARGIN * plans.budget_bytes * (1 - plans.headroom) / peak
+    shrink = MARGIN * plans.headroom_limit / peak
     return max(need, shrink)
 
 

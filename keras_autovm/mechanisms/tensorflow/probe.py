@@ -50,7 +50,7 @@ def fit_plan(model, runtime):
     if where is None or not _measurable(runtime):
         return
     plans = runtime.plans
-    limit = plans.budget_bytes * (1 - plans.headroom)
+    limit = plans.headroom_limit
     for attempt in range(RETRIES + 1):
         plan = runtime.current.plan
         batch = plan.graph.batch_size
@@ -82,8 +82,7 @@ def _measurable(runtime):
             or current.names("swap")):
         # Explicit swap rewires the step's backward, which a probe would not.
         return False
-    limit = plans.budget_bytes * (1 - plans.headroom)
-    return current.plan.result.peak_bytes * TIGHT > limit
+    return current.plan.result.peak_bytes * TIGHT > plans.headroom_limit
 
 
 def _overhead(plan, runtime, peak):
