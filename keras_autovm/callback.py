@@ -300,7 +300,7 @@ class AutoVM(keras.callbacks.Callback):
         # A step that ran unchanged and now runs under AutoVM (or back) is
         # a new plan too, though every tensor is still kept.
         if new.actions != plan.actions or new.unchanged != plan.unchanged:
-            patches_lib.retrace(self._target, self._patches)
+            patches_lib.retrace(self._target, self._patches, self._runtime)
             return True
         return False
 

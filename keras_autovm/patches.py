@@ -125,20 +125,22 @@ def apply(model, runtime, mechanism, patches):
         message = mechanism.install(model, runtime, patches)
         # Validation runs inside `fit` through `model.evaluate`.
         patches.set(model, "evaluate", patches.guarded(model.evaluate))
-        retrace(model, patches)
+        retrace(model, patches, runtime)
     except BaseException:
         patches.close()
         raise
     return message
 
 
-def retrace(model, patches):
-    """Makes `fit` trace a new training function (the plan changed)."""
+def retrace(model, patches, runtime):
+    """Makes `fit` trace a new training function (the plan changed), run as
+    `runtime`'s mechanism runs it."""
     # Recorded before it changes: undone newest first, the function `fit`
     # had before AutoVM comes back last.
     patches.set(model, "train_function", None)
     model.make_train_function(force=True)
-    vars(model)["train_function"] = patches.guarded(model.train_function)
+    function = runtime.mechanism.training_function(model, runtime, model.train_function)
+    vars(model)["train_function"] = patches.guarded(function)
     if keras.backend.backend() == "jax":
         vars(model)["train_function"] = _reattaching_state(model, model.train_function)
 

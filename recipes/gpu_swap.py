@@ -27,6 +27,9 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   swap), to measure what it would do.
 - throughput: each method at the largest batch all of them train, under the
   cap, against in-core without a cap, as ratios.
+- batches: each method at each of `--batches` under the cap, no search (to
+  run again the tries of a search that failed, in the time one device call
+  has).
 
 Each model and part runs in its own process (the cap is per process); every
 result waits for the device (the loss is read back each step). Writes one
@@ -440,6 +443,9 @@ def one(args, model, method, batch, steps=3, epochs=1, capped=True, policy="auto
         extra.append("--uncapped")
     result = spawn(args, "one", model, extra, quiet=True)
     run = result.get("result") or {"status": result.get("status"), "batch": batch}
+    run["wall_s"] = result.get("wall_s")
+    if run.get("status") in ("crashed", "timeout"):
+        run["log_tail"] = result.get("log_tail")
     print(f"  {method} b{batch}: {run.get('status')}", flush=True)
     return run
 
@@ -518,6 +524,8 @@ def main():
     parser.add_argument("--shared-batch", type=int, default=None,
                         help="the batch for the throughput part (default: the "
                         "smallest largest batch found)")
+    parser.add_argument("--batches", default="32,64",
+                        help="the batches of the `batches` part")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -556,6 +564,12 @@ def main():
             got["largest"] = {"result": {}}
             largest(args, model, got["largest"]["result"], save)
             save()
+        if "batches" in parts:
+            got["batches"] = {"result": {
+                method: [one(args, model, method, int(b), epochs=1)
+                         for b in args.batches.split(",")]
+                for method in args.methods.split(",")}}
+            save()
         if "throughput" in parts:
             found = got.get("largest", {}).get("result", {})
             shared = args.shared_batch or min(
@@ -591,6 +605,11 @@ def tables(results):
             ratio = f"{found['largest'] / base:.2f}x" if base and found.get("largest") else "-"
             print(f"{model} largest batch {method:17} {found.get('largest')} "
                   f"(predicted {found.get('predicted', '-')}) {ratio} in-core")
+        for method, runs in parts.get("batches", {}).get("result", {}).items():
+            for run in runs:
+                print(f"{model} b{run.get('batch')} {method:17} {run.get('status')} "
+                      f"peak {(run.get('peak_bytes') or 0) / GiB:.2f} GiB "
+                      f"{(run.get('images_per_s') or 0):7.1f} img/s")
         runs = parts.get("throughput", {}).get("result", {})
         ref = (runs.get("incore_uncapped") or {}).get("images_per_s")
         for method, run in runs.items():

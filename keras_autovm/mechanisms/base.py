@@ -234,6 +234,12 @@ class Mechanism:
         """
         return None
 
+    def training_function(self, model, runtime, function):
+        """`fit`'s training function as this backend runs it: Keras's
+        `function`, traced for the plan in force, unless the mechanism
+        watches its steps (TensorFlow measures first steps)."""
+        return function
+
 
 # A run whose warm-up takes this long is timed once: its time is well above
 # the clock's and the launch noise, and profiling stays short.

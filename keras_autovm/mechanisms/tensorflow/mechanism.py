@@ -19,7 +19,7 @@ from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
-from keras_autovm.mechanisms.tensorflow import probe
+from keras_autovm.mechanisms.tensorflow import first_step
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
 
@@ -118,23 +118,40 @@ class TensorFlowMechanism(Mechanism):
         """When the policy may swap: explicitly, the traced `train_step`
         ends by pointing its backward at the copies back
         (`swap.ExplicitSwap.rewire`), and segments recompute with
-        `swap.recompute`; in both modes `jit_compile` is turned off: XLA
-        cannot compile the page-moving ops, and it ignores the control
-        dependencies that time explicit copies back. On a GPU, a plan that
-        does not swap is then measured before its first step
-        (`probe.fit_plan`) and replanned while it is over its limit."""
+        `swap.recompute`. `jit_compile` is turned off when the policy may
+        swap (XLA cannot compile the page-moving ops, and it ignores the
+        control dependencies that time explicit copies back) and when the
+        plan is predicted not to fit under XLA (`first_step.turns_xla_off`):
+        under XLA VGG-19's step needed 1.5x to 1.7x its plan, where
+        TensorFlow's own executor needed 1.1x to 1.35x, and a step that ran
+        out of memory under XLA cannot be undone (TensorFlow aborted when a
+        variable was assigned after it; results/tensorflow/first_step/).
+        Without XLA, VGG-19 trained at 0.68x the images/s of Keras's step
+        under XLA (batch 37, 8 GiB cap)."""
         may_swap = self.may_swap(runtime)
         if may_swap and not self.managed:
             patches.set(model, "train_step", self._rewire_after(model.train_step))
             self._own_recompute = True
-        said = None
-        if model.jit_compile and may_swap:
-            patches.set(model, "jit_compile", False)
+        if not model.jit_compile:
+            return None
+        if may_swap:
             what = ("its TensorFlow page-moving ops" if self.managed else
                     "the control dependencies that time its host-to-device copies")
-            said = f"AutoVM set jit_compile=False: XLA cannot compile {what}."
-        probe.fit_plan(model, runtime)
-        return said
+            said = f"XLA cannot compile {what}."
+        elif first_step.turns_xla_off(runtime):
+            said = (f"under XLA its plan would need about {first_step.XLA_OVERHEAD}x "
+                    "the memory it predicts, over the budget, and a step under XLA "
+                    "that runs out of memory cannot be undone.")
+        else:
+            return None
+        patches.set(model, "jit_compile", False)
+        return f"AutoVM set jit_compile=False: {said}"
+
+    def training_function(self, model, runtime, function):
+        """On a GPU, each tight plan's first step is measured, and run
+        again under a new plan if it ran out of memory
+        (`first_step.FirstSteps`)."""
+        return first_step.FirstSteps(model, runtime, function)
 
     # --------------------------------------------------------- explicit swap
 

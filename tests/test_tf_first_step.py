@@ -1,0 +1,266 @@
+"""TensorFlow: each tight plan's first step measured, undone and run again
+under a new plan when it ran out of memory, followed by a new plan when it
+ran over its limit (keras_autovm/mechanisms/tensorflow/first_step.py).
+Measured here on the CPU's allocator, which counts what it hands out as a
+GPU's does (tensors of a few KiB aside)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_autovm
+from conftest import BACKEND, data, small_cnn
+
+pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's first steps")
+
+# The CPU allocator's peak counts every tensor the test process holds, so
+# the tests that measure for real give a budget nothing reaches.
+BUDGET = 2**40
+SIZE = 64
+STEPS = 4  # 32 samples in batches of 8.
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import first_step
+    monkeypatch.setattr(first_step, "device", lambda: "CPU:0")
+    tf.config.experimental.get_memory_info("CPU:0")  # Turns the CPU's counts on.
+    return first_step
+
+
+@pytest.fixture
+def said(monkeypatch):
+    lines = []
+    monkeypatch.setattr(keras_autovm.callback.console_lib.Console, "warn",
+                        lambda self, text: lines.append(text))
+    return lines
+
+
+def train(policy="sqrt_recompute", budget=BUDGET, model_fn=None, steps_per_execution=1,
+          built=None, jit_compile=False):
+    keras.utils.set_random_seed(3)
+    model = (model_fn or small_cnn)(SIZE)
+    if built is not None:
+        built.append(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=jit_compile,
+                  steps_per_execution=steps_per_execution)
+    callback = keras_autovm.AutoVM(budget=budget, policy=policy, verbose=0,
+                                   apply_without_gpu=True)
+    x, y = data(32, size=SIZE)
+    if model_fn is dict_input_cnn:
+        x = {"image": x}
+    model.fit(x, y[:, :4], batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+    return model, callback
+
+
+def tight_budget():
+    """A budget whose limit holds keeping every output, with 15% spare."""
+    keep = keras_autovm.plan(small_cnn(SIZE), 8, budget=2**30, policy="keep_all")
+    return int(keep.result.peak_bytes * 1.15 / 0.85)
+
+
+def limit_of(plans):
+    return plans.budget_bytes * (1 - plans.headroom)
+
+
+def watch(first_step, monkeypatch, peak=None, fail=lambda n: False, runs=True):
+    """Records each measured step's plan; `peak(n, plan, measured)` (n from 1)
+    replaces the measured peak, and the n-th step runs out of memory where
+    `fail(n)`: after running if `runs`, else before."""
+    import tensorflow as tf
+    plans = Seen()
+    jit = plans.jit = []  # Whether each measured step ran under XLA.
+    real = first_step.run_measured
+
+    def run_measured(function, data, where):
+        plans.append(current[0].current.plan)
+        jit.append(current[1].jit_compile)
+        if fail(len(plans)) and not runs:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+        logs, measured = real(function, data, where)
+        if fail(len(plans)):
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+        return logs, (peak(len(plans), plans[-1], measured) if peak else measured)
+
+    current = []
+    real_init = first_step.FirstSteps.__init__
+
+    def init(self, model, runtime, function):
+        current[:] = [runtime, model]
+        real_init(self, model, runtime, function)
+
+    monkeypatch.setattr(first_step, "run_measured", run_measured)
+    monkeypatch.setattr(first_step.FirstSteps, "__init__", init)
+    return plans
+
+
+class Seen(list):
+    """The plans of the measured steps; `jit`: whether each ran under XLA."""
+
+
+def weights(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.variables]
+
+
+def test_the_first_step_is_measured_once_and_trains_as_without(on_cpu, monkeypatch):
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))  # Measured however loose.
+    seen = watch(on_cpu, monkeypatch)
+    model, callback = train()
+    assert len(seen) == 1
+    monkeypatch.setattr(on_cpu, "device", lambda: None)
+    plain, unmeasured = train()
+    for a, b in zip(weights(model), weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == STEPS
+    assert callback._runtime.stats == unmeasured._runtime.stats
+
+
+def fits(n, plan, measured):
+    """The measured peak of a plan that fits: its prediction (the CPU
+    allocator's own counts every tensor the test process holds)."""
+    return plan.result.peak_bytes
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["ran", "failed_at_once"])
+def test_a_step_out_of_memory_is_undone_replanned_and_run_again(
+        on_cpu, monkeypatch, said, runs):
+    from keras_autovm import oom
+    # The first step runs out of memory, after changing every variable
+    # (`runs`) or before changing any: the training is the same.
+    seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 1, runs=runs)
+    budget = tight_budget()
+    model, callback = train(policy="auto", budget=budget)
+    plans = callback._runtime.plans
+    assert len(seen) == 2 and callback._runtime.stats["out_of_memory_replans"] == 1
+    assert plans.memory_scale == pytest.approx(
+        oom.overhead_after_oom(seen[0], plans, budget), rel=1e-6)
+    assert seen[1].result.peak_bytes * oom.MARGIN <= seen[0].result.peak_bytes
+    assert "ran out of GPU memory" in said[0] and "ran the step again" in said[0]
+    assert int(model.optimizer.iterations) == STEPS
+    TRAINED[runs] = weights(model)
+    if len(TRAINED) == 2:
+        for a, b in zip(TRAINED[True], TRAINED[False]):
+            np.testing.assert_array_equal(a, b)
+
+
+TRAINED = {}
+
+
+def test_a_step_over_its_limit_is_followed_by_a_new_plan(on_cpu, monkeypatch, said):
+    # The first plan is measured at 1.3x its prediction; the next fits.
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: int(
+        plan.result.peak_bytes * (1.3 if n == 1 else 1.0)))
+    model, callback = train(policy="auto", budget=tight_budget())
+    plans = callback._runtime.plans
+    assert len(seen) == 2 and callback._runtime.stats["first_step_replans"] == 1
+    assert plans.memory_scale == pytest.approx(1.3, rel=1e-6)
+    assert len(said) == 1 and "overhead of 1.30x" in said[0]
+    assert seen[1].result.peak_bytes * 1.3 <= limit_of(plans)
+    assert seen[1].result.peak_bytes < seen[0].result.peak_bytes
+    assert int(model.optimizer.iterations) == STEPS  # The first step stood.
+
+
+def test_over_the_limit_after_the_retries_training_goes_on_and_says_so(
+        on_cpu, monkeypatch, said):
+    # Each plan is measured one byte over the limit; one replan is allowed
+    # (the small CNN has few plans between keep-all and its least).
+    monkeypatch.setattr(on_cpu, "RETRIES", 1)
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch,
+                 peak=lambda n, plan, measured: int(budget * 0.85) + 1)
+    _, callback = train(policy="auto", budget=budget)
+    assert len(seen) == on_cpu.RETRIES + 1
+    assert callback._runtime.stats["first_step_replans"] == on_cpu.RETRIES
+    assert f"after {on_cpu.RETRIES} replans; training goes on" in said[-1]
+
+
+def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
+        on_cpu, monkeypatch):
+    import tensorflow as tf
+
+    from keras_autovm import oom
+    monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 1.0)
+    seen = watch(on_cpu, monkeypatch, fail=lambda n: True)
+    keras.utils.set_random_seed(3)
+    initial = small_cnn(SIZE).get_weights()
+    built = []
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        train(policy="auto", budget=tight_budget(), built=built)
+    assert len(seen) == on_cpu.RETRIES + 1
+    # Each step ran before failing; every one was undone.
+    for a, b in zip(built[0].get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    assert int(built[0].optimizer.iterations) == 0
+
+
+def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypatch):
+    watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+          int(plan.result.peak_bytes * 1.02 + 2**30))
+    with pytest.raises(keras_autovm.PlanError, match="(?s)the first step under its "
+                       "plan for batch size 8 peaked at .*smallest feasible budget"):
+        train(policy="auto", budget=tight_budget())
+
+
+def dict_input_cnn(size):
+    inputs = {"image": keras.Input((size, size, 3), name="image")}
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inputs["image"])
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+
+
+def test_swap_plans_and_dict_inputs_are_measured(on_cpu, monkeypatch):
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))
+    seen = watch(on_cpu, monkeypatch)
+    train(policy="offload_all")
+    assert len(seen) == 1 and seen[0].counts()["swap"] > 0
+    train(model_fn=dict_input_cnn)
+    assert len(seen) == 2
+
+
+def test_loose_plans_several_steps_a_call_and_no_gpu_are_not_measured(
+        on_cpu, monkeypatch):
+    seen = watch(on_cpu, monkeypatch)
+    train(policy="sqrt_recompute", budget=2**30)  # Fits twice over and more.
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))
+    train(steps_per_execution=2)
+    monkeypatch.setattr(on_cpu, "device", lambda: None)
+    train()
+    assert seen == []
+
+
+def test_a_tight_plan_runs_without_xla_and_says_so(on_cpu, monkeypatch):
+    said = []
+    monkeypatch.setattr(keras_autovm.callback.console_lib.Console, "print",
+                        lambda self, text: said.append(text))
+    seen = watch(on_cpu, monkeypatch)
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))
+    monkeypatch.setattr(on_cpu, "XLA_OVERHEAD", float("inf"))  # Never fits under XLA.
+    model, _ = train(jit_compile=True)
+    assert seen.jit == [False] and model.jit_compile  # Given back after `fit`.
+    assert any("AutoVM set jit_compile=False: under XLA its plan" in line
+               for line in said)
+    # Fits under XLA: XLA stays, and the first step is measured under it.
+    monkeypatch.setattr(on_cpu, "XLA_OVERHEAD", 0.0)
+    said.clear()
+    train(jit_compile=True)
+    assert not [line for line in said if "jit_compile" in line]
+    assert seen.jit == [False, True]
+
+
+def test_out_of_memory_under_xla_is_not_undone_and_says_why(on_cpu, monkeypatch):
+    import tensorflow as tf
+    seen = watch(on_cpu, monkeypatch, fail=lambda n: True, runs=False)
+    restored = []
+    monkeypatch.setattr(on_cpu, "_restore", lambda saved: restored.append(1))
+    # XLA turned back on after AutoVM's `install` (a later plan's first step).
+    real = on_cpu.FirstSteps.__call__
+    monkeypatch.setattr(on_cpu.FirstSteps, "__call__", lambda self, it: (
+        setattr(self.model, "jit_compile", True), real(self, it))[1])
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="jit_compile=False"):
+        train()
+    assert len(seen) == 1 and not restored
