@@ -13,6 +13,9 @@ replans the batch size, says so in one line, and runs the step again.
 After `RETRIES` replans, or when no plan fits (`PlanError`, with the budget
 that would do), the error is the user's. Later steps under a plan that
 has run are not guarded: they allocate as its first step did.
+
+TensorFlow's traced step is guarded from outside it, where every variable
+can be put back: `mechanisms/tensorflow/first_step.py`.
 """
 
 import keras
