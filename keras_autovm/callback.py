@@ -246,8 +246,11 @@ class AutoVM(keras.callbacks.Callback):
             return
         if logs and "loss" in logs:
             float(logs["loss"])  # Wait for the step so its time is real.
-        self._times.append(time.perf_counter() - self._last)
-        self._forwards.append(self._mechanism.forward_seconds())
+        if self._runtime.untimed_steps:  # A measured step, or compiling.
+            self._runtime.untimed_steps -= 1
+        else:
+            self._times.append(time.perf_counter() - self._last)
+            self._forwards.append(self._mechanism.forward_seconds())
         self._console.batch_ended()
 
     def on_epoch_end(self, epoch, logs=None):

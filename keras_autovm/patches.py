@@ -68,7 +68,8 @@ class Patches:
     def guarded(self, fn):
         """`fn`, closing these patches if it raises (other than the end of
         an epoch's data, which `fit` catches and trains on)."""
-        @functools.wraps(fn)
+        # Not `fn`'s attributes: a callable object's would be copied stale.
+        @functools.wraps(fn, updated=())
         def call(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)

@@ -43,6 +43,13 @@ class Runtime:
         self._stash = {}
         # Applied plans a training step has completed under (see `oom`).
         self.proven = set()
+        # TensorFlow's measured first steps (`first_step.py`): the plans,
+        # by batch size and actions, whose step was measured within the
+        # budget, the last such plan per batch size, and how many steps to
+        # come compile (the callback does not time them).
+        self.fitted_keys = set()
+        self.fitted_plans = {}
+        self.untimed_steps = 0
         # Whether a step was left as Keras runs it (see `plan_for_inputs`).
         self.declined = False
         # What was carried out, for reports and tests.

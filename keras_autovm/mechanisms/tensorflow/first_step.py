@@ -13,20 +13,28 @@ step's program (no loss, no optimizer update), and at batch 45 under an
 So the measurement is the first step itself. For a plan predicted within
 `TIGHT` times its limit, `FirstSteps` takes the step's batch from `fit`'s
 iterator, keeps a host copy of every variable a step can change (weights,
-optimizer and layer state, metrics), and runs Keras's compiled one-step
-function on it (Keras compiles it once more for a batch given outside the
-iterator: a second compile, once per measured plan):
+the optimizer's, built first if Keras has not yet, layer state and
+metrics), and runs Keras's compiled one-step function on it (Keras
+compiles it once more for a batch given outside the iterator, and its
+iterator function on the next step: neither step is timed):
 
-- it ran out of memory: the variables are put back, the overhead is learnt
-  as on the other backends (`oom.overhead_after_oom`), the batch size is
-  replanned, the step retraced and run again;
-- it ran over the plan's limit: the step stands, the overhead (measured
-  peak over predicted) is learnt, and the next step runs under a new plan,
-  measured in its turn.
+- it ran out of memory: the variables are put back (metrics Keras built
+  as the step was traced are reset), the overhead is learnt as on the
+  other backends (`oom.overhead_after_oom`), the batch size is replanned,
+  the step retraced and run again; where no plan fits what it showed, the
+  last plan measured within the budget for the batch size comes back, or,
+  without one, the `PlanError` is the user's;
+- it ran within the budget: the plan is kept (the headroom is for
+  predictions); over its limit, the overhead (measured peak over
+  predicted) is learnt for the plans made later, and said;
+- it ran over the budget: the step stands, the overhead is learnt, and
+  the next step runs under a new plan, measured in its turn.
 
-After `RETRIES` replans, the plan is kept as it is and said, or, out of
-memory, the error is the user's. Only with `steps_per_execution=1` (one
-batch a call).
+After `RETRIES` replans, a plan over the budget is kept and said, and a
+step out of memory is the user's error. Only with `steps_per_execution=1`
+(one batch a call). The allocator's peak is reset before each measured
+step: an epoch's peak counts from its last measured step, and the
+highest measured is `first_step_peak_bytes` in the runtime's stats.
 
 A step that ran out of memory under XLA is not run again: on an H100,
 TensorFlow aborted its process when AutoVM put a variable back after one
@@ -45,7 +53,7 @@ from keras_autovm import oom
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 
-# Replans after a first step over its limit or out of memory, per `fit`'s
+# Replans after a first step over the budget or out of memory, per `fit`'s
 # training function.
 RETRIES = 3
 # Plans predicted to fit this many times over are not measured (a
@@ -77,7 +85,8 @@ def _tight(runtime, applied, factor=None):
     `factor` (`TIGHT` by default) times its limit."""
     plans = runtime.plans
     return (applied is not None and plans.budget_bytes is not None
-            and applied.plan.result.peak_bytes * (TIGHT if factor is None else factor) > plans.headroom_limit)
+            and applied.plan.result.peak_bytes * (TIGHT if factor is None else factor)
+            > plans.headroom_limit)
 
 
 class FirstSteps:
@@ -86,85 +95,99 @@ class FirstSteps:
 
     def __init__(self, model, runtime, function):
         self.model, self.runtime, self.function = model, runtime, function
+        self.where = device()
         self.replans = 0
 
     def __call__(self, iterator):
-        where = device()
-        if where is None or not self._wanted(self.runtime.current):
+        if self.where is None or not self._wanted(self.runtime.current):
             return self.function(iterator)
-        return self._measured(next_batch(iterator), where)
+        return self._measured(next_batch(iterator))
 
     def _wanted(self, applied):
-        return (applied not in self.runtime.proven and self.model.steps_per_execution == 1
-                and _tight(self.runtime, applied))
+        return (self.model.steps_per_execution == 1 and _tight(self.runtime, applied)
+                and _key(applied.plan) not in self.runtime.fitted_keys)
 
-    def _measured(self, data, where):
+    def _measured(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         while True:
             applied = self.runtime.plan_for_inputs(x)
-            if not self._wanted(applied):  # Another batch size, or proven.
+            if not self._wanted(applied):  # Another batch size, or measured.
                 return self.function([data])
             saved = _host_copies(self.model)
-            error = logs = peak = None
             try:
-                logs, peak = run_measured(self.function, data, where)
+                logs, peak = run_measured(self.function, data, self.where)
             except tf.errors.ResourceExhaustedError as raised:
                 # Without its traceback: its frames hold the step's tensors.
                 error = raised.with_traceback(None)
-            limit = self.runtime.plans.headroom_limit
-            if error is None and peak <= limit:
-                self.runtime.proven.add(applied)
-                return logs
-            if error is not None and self.model.jit_compile:
-                raise _under_xla(error)
-            if error is not None:
-                _restore(saved)
+            else:
+                # This step and the next compile (Keras traces its iterator
+                # function then): neither times the plan.
+                self.runtime.untimed_steps = 2
+                return self._ran(applied.plan, peak, logs)
+            if self.model.jit_compile:
+                raise _under_xla(error) from error
+            _restore(saved, self.model)
             del saved
             gc.collect()
-            if self.replans == RETRIES:
-                return self._give_up(applied, logs, peak, error)
-            self._replan(applied.plan, peak, error)
-            if error is None:
-                return logs  # The next step runs under the new plan.
+            self._after_out_of_memory(applied.plan, error)
 
-    def _replan(self, plan, peak, error):
+    def _ran(self, plan, peak, logs):
+        """A measured step that ran: kept within the budget (the headroom is
+        for predictions), replanned for the next step over it."""
         runtime, plans = self.runtime, self.runtime.plans
-        if error is None:
-            overhead = peak / max(plan.result.peak_bytes, 1)
-            seen = f"peaked at {format_bytes(peak)}"
-        else:
-            memory = runtime.mechanism.device_memory() or plans.budget_bytes
-            overhead = oom.overhead_after_oom(plan, plans, memory)
-            seen = "ran out of GPU memory"
-        plans.memory_scale = max(plans.memory_scale, overhead)
         batch = plan.graph.batch_size
-        what = (f"AutoVM: the first step under its plan for batch size {batch} {seen}"
-                f" (plan: {format_bytes(plan.result.peak_bytes)}, limit "
-                f"{format_bytes(plans.headroom_limit)}).")
+        stats = runtime.stats
+        stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
+        if peak <= plans.budget_bytes or self.replans == RETRIES:
+            if peak > plans.headroom_limit:
+                plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
+                runtime.warn(
+                    f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans)} Kept: "
+                    + ("within the budget" if peak <= plans.budget_bytes else
+                       f"over the budget after {RETRIES} replans")
+                    + "; plans made from now on allow for a measured memory "
+                    f"overhead of {plans.memory_scale:.2f}x.")
+            runtime.fitted_keys.add(_key(plan))
+            runtime.fitted_plans[batch] = plan
+            return logs
+        plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
+        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, over the "
+                                       "budget", plans), "first_step_replans")
+        return logs  # The step stood; the next one runs under the new plan.
+
+    def _after_out_of_memory(self, plan, error):
+        """Learns from a step that ran out of memory, and replans so that the
+        same batch runs again; where no plan fits, goes back to the last plan
+        measured within the budget for this batch size, if any."""
+        runtime, plans = self.runtime, self.runtime.plans
+        if self.replans == RETRIES:
+            raise error
+        memory = runtime.mechanism.device_memory() or plans.budget_bytes
+        plans.memory_scale = max(plans.memory_scale,
+                                 oom.overhead_after_oom(plan, plans, memory))
+        seen = _seen(plan, "ran out of GPU memory", plans)
+        fallback = runtime.fitted_plans.get(plan.graph.batch_size)
+        self._replan(plan, seen, "out_of_memory_replans", fallback)
+
+    def _replan(self, plan, seen, counter, fallback=None):
+        runtime, plans = self.runtime, self.runtime.plans
+        batch = plan.graph.batch_size
         try:
             new = plans.plan(batch, plans.shapes_at(batch))
-        except PlanError as error:  # The user's, saying what was measured.
-            raise PlanError(f"{what} {error}", error.min_budget) from None
+            said = (f"Replanned with a measured memory overhead of "
+                    f"{plans.memory_scale:.2f}x (predicted peak now "
+                    f"{format_bytes(new.result.peak_bytes)}).")
+        except PlanError as no_plan:
+            if fallback is None:  # The user's, saying what was measured.
+                no_plan.args = (f"{seen} {no_plan.args[0]}",)
+                raise
+            new, said = fallback, ("No plan fits what it showed; back to the "
+                                   "plan measured within the budget before.")
         runtime.replace(new)
         self.replans += 1
-        key = "first_step_replans" if error is None else "out_of_memory_replans"
-        runtime.stats[key] = runtime.stats.get(key, 0) + 1
-        runtime.warn(
-            f"{what} Replanned with a measured memory overhead of {plans.memory_scale:.2f}x (predicted peak now "
-            f"{format_bytes(new.result.peak_bytes)})"
-            + ("." if error is None else " and ran the step again."))
+        runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
+        runtime.warn(f"{seen} {said}")
         self.function = self._retraced()
-
-    def _give_up(self, applied, logs, peak, error):
-        if error is not None:
-            raise error
-        self.runtime.proven.add(applied)
-        self.runtime.warn(
-            f"AutoVM: the first step under its plan for batch size "
-            f"{applied.plan.graph.batch_size} peaked at {format_bytes(peak)}, over "
-            f"the limit of {format_bytes(self.runtime.plans.headroom_limit)} "
-            f"after {RETRIES} replans; training goes on with that plan.")
-        return logs
 
     def _retraced(self):
         """Keras's training function traced anew, leaving this one in place."""
@@ -176,6 +199,23 @@ class FirstSteps:
         return fresh
 
 
+def _key(plan):
+    """What makes two plans run the same step: batch size and actions."""
+    return plan.graph.batch_size, tuple(sorted(plan.actions.items()))
+
+
+def _ratio(peak, plan):
+    return peak / max(plan.result.peak_bytes, 1)
+
+
+def _seen(plan, what, plans):
+    return (f"AutoVM: the first step under its plan for batch size "
+            f"{plan.graph.batch_size} {what} (plan: "
+            f"{format_bytes(plan.result.peak_bytes)}, limit "
+            f"{format_bytes(plans.headroom_limit)}, budget "
+            f"{format_bytes(plans.budget_bytes)}).")
+
+
 def _under_xla(error):
     """`error` (a step under XLA ran out of memory), saying why AutoVM does
     not run it again: on an H100, TensorFlow aborted (`Check failed: h !=
@@ -185,8 +225,7 @@ def _under_xla(error):
         None, None,
         f"{error.message}\nAutoVM cannot undo a step that ran out of memory "
         "under XLA, so it does not run it again with a smaller plan: compile "
-        "the model with jit_compile=False (AutoVM turns XLA off itself from "
-        "the start of `fit` for plans it predicts not to fit under XLA).")
+        "the model with jit_compile=False.")
 
 
 def next_batch(iterator):
@@ -213,15 +252,25 @@ def run_measured(function, data, where):
 def _host_copies(model):
     """A host copy of each variable a training step can change."""
     optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        # Keras builds it as the first step is traced (without a distribution
+        # strategy): built now, its slots are copied too.
+        optimizer.build(model.trainable_variables)
     variables = [*model.variables, *(optimizer.variables if optimizer else ()),
                  *model.metrics_variables]
     unique = {id(v): v for v in variables}
     return [(v, v.numpy()) for v in unique.values()]
 
 
-def _restore(saved):
+def _restore(saved, model):
     for variable, value in saved:
         variable.assign(value)
+    kept = {id(variable) for variable, _ in saved}
+    for metric in model.metrics:
+        # Built as the failed step was traced (Keras builds compiled metrics
+        # then): before it, they were as reset.
+        if any(id(v) not in kept for v in metric.variables):
+            metric.reset_state()
 
 
 def _sync(where):
