@@ -566,7 +566,7 @@ def main():
             save()
         if "batches" in parts:
             got["batches"] = {"result": {
-                method: [one(args, model, method, int(b), epochs=1)
+                method: [one(args, model, method, int(b), epochs=2)
                          for b in args.batches.split(",")]
                 for method in args.methods.split(",")}}
             save()
