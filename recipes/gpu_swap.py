@@ -19,7 +19,10 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   largest batch, which is then run (and stepped down 10% at a time while it
   runs out of memory, up while it trains); so is in-core's, from the
   keep-all plan; RematScope is searched by bisection above in-core's, and
-  so is `incore_views` (torch, not in the default methods): Keras's own
+  so is `incore_noxla` (TensorFlow, not in the default methods: Keras's
+  own step compiled with `jit_compile=False`, as AutoVM runs plans it
+  predicts not to fit under XLA), and `incore_views` (torch, not in the
+  default methods): Keras's own
   step with its convolutions and max pooling on views of their inputs, as
   AutoVM runs them, without AutoVM.
   With `SWAP_IN_AUTO=1` in the environment, `autovm_swap`'s `auto` may
@@ -86,7 +89,7 @@ def _total_gib():
     return float(out.stdout.split()[0]) / 1024
 
 
-def build(name, remat=False):
+def build(name, remat=False, jit_compile="auto"):
     import keras
     keras.utils.set_random_seed(0)
     make = {"vgg19": keras.applications.VGG19,
@@ -96,7 +99,8 @@ def build(name, remat=False):
             model = make(weights=None)
     else:
         model = make(weights=None)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  jit_compile=jit_compile)
     return model
 
 
@@ -135,7 +139,8 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
     reset_peak(backend)
     out = {"method": method, "batch": batch, "policy": policy}
     try:
-        model = build(model_name, remat=method == "remat")
+        model = build(model_name, remat=method == "remat",
+                      jit_compile=False if method == "incore_noxla" else "auto")
         callbacks = [timer(backend)]
         if method.startswith("autovm"):
             import keras_autovm
