@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
+from keras_autovm.mechanisms.tensorflow import first_step
 from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
-from keras_autovm.mechanisms.tensorflow import first_step
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
 
@@ -140,7 +140,7 @@ class TensorFlowMechanism(Mechanism):
             said = f"XLA cannot compile {what}."
         elif first_step.turns_xla_off(runtime):
             said = (f"under XLA its plan would need about {first_step.XLA_OVERHEAD}x "
-                    "the memory it predicts, over the budget, and a step under XLA "
+                    "the memory it predicts, over its limit, and a step under XLA "
                     "that runs out of memory cannot be undone.")
         else:
             return None
