@@ -89,7 +89,7 @@ def watch(first_step, monkeypatch, peak=None, fail=lambda n: False, runs=True):
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
         return logs, (peak(len(plans), plans[-1], measured) if peak else measured)
 
-    current = []
+    current = plans.current = []  # The runtime and model of the last trace.
     real_init = first_step.FirstSteps.__init__
 
     def init(self, model, runtime, function):
@@ -246,34 +246,22 @@ def test_no_plan_after_running_out_of_memory_goes_back_to_one_that_ran(
     monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 10.0)
     seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 2)
 
+    autovm = []
+    real_init = keras_autovm.AutoVM.__init__
+    monkeypatch.setattr(keras_autovm.AutoVM, "__init__", lambda self, *args, **kw: (
+        real_init(self, *args, **kw), autovm.append(self))[0])
+
     class Replan(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             if epoch:
                 return
-            runtime = current[0]
+            runtime = seen.current[0]
             runtime.plans.memory_scale = 1.3
             runtime.replace(runtime.plans.plan(8))
             patches_lib.retrace(self.model, autovm[0]._patches, runtime)
 
-    current, autovm = [], []
-    real_train = train
-
-    def train_watched(**kwargs):
-        real_init = keras_autovm.AutoVM.__init__
-
-        def init(self, *args, **kw):
-            real_init(self, *args, **kw)
-            autovm[:] = [self]
-
-        monkeypatch.setattr(keras_autovm.AutoVM, "__init__", init)
-        return real_train(**kwargs)
-
-    real_plan_for = keras_autovm.runtime.Runtime.plan_for_inputs
-    monkeypatch.setattr(keras_autovm.runtime.Runtime, "plan_for_inputs",
-                        lambda self, x: (current.__setitem__(slice(None), [self]),
-                                         real_plan_for(self, x))[1])
-    model, callback = train_watched(policy="auto", budget=tight_budget(), epochs=2,
-                                    callbacks=[Replan()])
+    model, callback = train(policy="auto", budget=tight_budget(), epochs=2,
+                            callbacks=[Replan()])
     assert len(seen) == 2 and seen[1].actions != seen[0].actions
     assert callback._runtime.stats["out_of_memory_replans"] == 1
     assert any("back to the plan measured within the budget" in line for line in said)
