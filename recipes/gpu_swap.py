@@ -57,6 +57,7 @@ GiB = 2**30
 METHODS = ("incore", "remat", "autovm_recompute", "autovm_swap")
 SWAP_IN_AUTO = os.environ.get("SWAP_IN_AUTO") == "1"  # See auto_choosing.
 AUTOVM_KWARGS = {}  # The CPU smoke test passes apply_without_gpu=True.
+HEADROOM = [None]  # `--headroom`: AutoVM's, for every AutoVM run (None: its default).
 
 
 # ------------------------------------------------------------ in the child
@@ -145,7 +146,8 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         if method.startswith("autovm"):
             import keras_autovm
             callbacks.insert(0, keras_autovm.AutoVM(budget=budget, policy=policy,
-                                                    verbose=0, **AUTOVM_KWARGS))
+                                                    headroom=HEADROOM[0], verbose=0,
+                                                    **AUTOVM_KWARGS))
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
         y = rng.integers(0, 1000, batch * steps)
@@ -295,7 +297,8 @@ def predicted_largest(model_name, method, cap_bytes, hi=2048):
         try:
             graph = keras_autovm.budget.graph_for(model, batch, mechanism)
             keras_autovm.budget.plan_within(
-                graph, cap_bytes, mechanism.default_headroom, policy,
+                graph, cap_bytes, keras_autovm.budget.headroom_for(HEADROOM[0], mechanism),
+                policy,
                 keras_autovm.calibration.measured_cost(mechanism), mechanism)
             return True
         except keras_autovm.PlanError:
@@ -487,6 +490,8 @@ def spawn(args, part, model, extra=(), quiet=False):
     cmd = [sys.executable, __file__, "--child", "--backend", args.backend,
            "--part", part, "--model", model, "--cap-gib", str(args.cap_gib),
            "--methods", args.methods] + list(extra)
+    if args.headroom is not None:
+        cmd += ["--headroom", str(args.headroom)]
     if "--steps" not in extra:
         cmd += ["--steps", str(args.steps)]
     start = time.time()
@@ -531,6 +536,8 @@ def main():
                         "smallest largest batch found)")
     parser.add_argument("--batches", default="32,64",
                         help="the batches of the `batches` part")
+    parser.add_argument("--headroom", type=float, default=None,
+                        help="AutoVM's headroom for every AutoVM run (default: its own)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -543,11 +550,15 @@ def main():
     parser.add_argument("--budget-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.predict_batches = {"vgg19": "32,64", "resnet152": "32,64"}
+    HEADROOM[0] = args.headroom
     if args.child:
         return child(args)
     os.environ["KERAS_BACKEND"] = args.backend
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
+               # Environment that changes what runs (set on the command line).
+               "environment": {k: os.environ[k] for k in (
+                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB") if k in os.environ},
                "versions": versions(args.backend), "parts": {}}
 
     def save():
