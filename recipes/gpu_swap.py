@@ -26,8 +26,8 @@ Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
   step with its convolutions and max pooling on views of their inputs, as
   AutoVM runs them, without AutoVM.
   With `SWAP_IN_AUTO=1` in the environment, `autovm_swap`'s `auto` may
-  swap on a backend whose `auto` does not swap yet (TensorFlow's explicit
-  swap), to measure what it would do.
+  swap on a backend whose `auto` does not swap (JAX; TensorFlow's before
+  its `auto` swapped), to measure what it would do.
 - throughput: each method at the largest batch all of them train, under the
   cap, against in-core without a cap, as ratios.
 - batches: each method at each of `--batches` under the cap, no search (to

@@ -40,8 +40,8 @@ def test_managed_memory_picks_the_swap_mode(monkeypatch, enabled):
     monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
     assert mechanism.managed is enabled
     assert "swap" in mechanism.actions()
-    # Explicit copies: named policies only, until measured on a GPU.
-    assert ("swap" in mechanism.auto_actions()) is enabled
+    # Explicit copies too: a tight plan's first step is measured on a GPU.
+    assert "swap" in mechanism.auto_actions()
     assert mechanism.copy_link == ("managed_prefetch" if enabled else "pinned")
 
 
@@ -63,23 +63,69 @@ def test_install_turns_xla_off_when_swapping_and_close_restores_it(monkeypatch, 
     assert model.jit_compile is True
 
 
-@pytest.mark.parametrize("policy, off", [("sqrt_recompute", False), ("auto", False),
-                                         ("offload_all", True), ("sqrt_offload", True)])
+@pytest.mark.parametrize("policy, off, hooked", [("sqrt_recompute", False, False),
+                                                  ("auto", False, True),
+                                                  ("offload_all", True, True),
+                                                  ("sqrt_offload", True, True)])
 @tensorflow_only
-def test_xla_stays_on_for_policies_that_cannot_swap(policy, off):
+def test_xla_stays_on_for_plans_that_do_not_swap(policy, off, hooked):
+    patches, model, _, _ = installed(policy)
+    assert model.jit_compile is not off
+    # The explicit swap's own hook, where the policy may swap.
+    assert ("train_step" in vars(model)) is hooked
+    patches.close()
+    assert model.jit_compile is True and "train_step" not in vars(model)
+
+
+def installed(policy, swapping=False):
+    """`policy`'s install on a small model compiled with XLA, the plan in
+    force swapping (`offload_all`'s) where `swapping`; (patches, model,
+    what the runtime warned)."""
     from keras_autovm.budget import PlanBook
     from keras_autovm.patches import Patches
     from keras_autovm.runtime import Runtime
     mechanism = keras_autovm.mechanisms.get()
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64),
+                              keras.layers.ReLU(), keras.layers.Dense(2)])
     model.compile("sgd", "mse", jit_compile=True)
     plans = PlanBook(model, 2**30, 0.15, policy, None, mechanism)
+    said = []
+    runtime = Runtime(mechanism, plans, {}, warn=said.append)
+    if swapping:
+        runtime.replace(swapping_plan(model))
     patches = Patches()
-    mechanism.install(model, Runtime(mechanism, plans, {}), patches)
-    assert model.jit_compile is not off
-    # The explicit swap's own hook, only where it may swap.
-    assert ("train_step" in vars(model)) is off
+    said.append(mechanism.install(model, runtime, patches))
+    return patches, model, runtime, said
+
+
+def swapping_plan(model):
+    plan = keras_autovm.plan(model, 8, budget=2**30, policy="offload_all")
+    assert plan.counts()["swap"] > 0
+    return plan
+
+
+@tensorflow_only
+def test_auto_turns_xla_off_for_a_plan_that_swaps_and_says_so():
+    patches, model, _, said = installed("auto", swapping=True)
+    assert model.jit_compile is False
+    assert "jit_compile=False: XLA cannot compile the control dependencies" in said[0]
     patches.close()
+    assert model.jit_compile is True
+
+
+@tensorflow_only
+def test_a_replan_that_brings_swaps_turns_xla_off_before_the_step_is_traced():
+    patches, model, runtime, said = installed("auto")
+    model.make_train_function(force=True)
+    assert model.jit_compile is True and said == [None]  # No swaps yet.
+    mechanism = runtime.mechanism
+    assert not mechanism._own_recompute  # Keras's own under XLA.
+    runtime.replace(swapping_plan(model))
+    model.make_train_function(force=True)
+    assert model.jit_compile is False and mechanism._own_recompute
+    assert "its new plan swaps" in said[-1]
+    patches.close()
+    assert model.jit_compile is True and "make_train_function" not in vars(model)
 
 
 @tensorflow_only

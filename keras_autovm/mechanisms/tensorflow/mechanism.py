@@ -58,13 +58,12 @@ class TensorFlowMechanism(Mechanism):
         return ("keep", "swap", "recompute")
 
     def auto_actions(self):
-        """Explicit swap is left to named policies: on an H100, swapping
-        every VGG-19 output ran at 1.09x to 1.24x its planned peak, from
-        kernels' temporaries the plan does not hold (a 1.53 GiB cuDNN
-        workspace at the first block's backward; results/tensorflow/trace/)."""
-        if self.managed:
-            return self.actions()
-        return ("keep", "recompute")
+        """Every action. Explicit swap ran at 1.09x to 1.24x its planned peak
+        on VGG-19 (kernels' temporaries the plan does not hold: a 1.53 GiB
+        cuDNN workspace at the first block's backward;
+        results/tensorflow/trace/), which a tight plan's first step,
+        measured (`first_step.py`), now catches and replans."""
+        return self.actions()
 
     @property
     def copy_link(self):
@@ -115,37 +114,64 @@ class TensorFlowMechanism(Mechanism):
                 "skipped_tensors": counters["tensors_skipped"]}
 
     def install(self, model, runtime, patches):
-        """When the policy may swap: explicitly, the traced `train_step`
-        ends by pointing its backward at the copies back
-        (`swap.ExplicitSwap.rewire`), and segments recompute with
-        `swap.recompute`. `jit_compile` is turned off when the policy may
-        swap (XLA cannot compile the page-moving ops, and it ignores the
-        control dependencies that time explicit copies back) and when the
-        plan is predicted not to fit under XLA (`first_step.turns_xla_off`):
-        under XLA VGG-19's step needed 1.5x to 1.7x its plan, where
-        TensorFlow's own executor needed 1.1x to 1.35x, and a step that ran
-        out of memory under XLA cannot be undone (TensorFlow aborted when a
-        variable was assigned after it; results/tensorflow/first_step/).
-        Without XLA, VGG-19 trained at 0.68x the images/s of Keras's step
-        under XLA (batch 37, 8 GiB cap)."""
+        """When the policy may swap explicitly, the traced `train_step` ends
+        by pointing its backward at the copies back
+        (`swap.ExplicitSwap.rewire`), and a step without XLA recomputes
+        with `swap.recompute`.
+
+        `jit_compile` is turned off where XLA cannot compile what the plan
+        does: page moves (managed mode, any policy that may swap), and the
+        control dependencies that time explicit copies back (a named policy
+        that may swap; under `auto`, a plan that swaps, now or after a
+        replan: `_xla_checked`). It is also turned off for a plan predicted
+        not to fit under XLA (`first_step.turns_xla_off`): under XLA
+        VGG-19's step needed 1.5x to 1.7x its plan, where TensorFlow's own
+        executor needed 1.1x to 1.35x, and a step that ran out of memory
+        under XLA cannot be undone (TensorFlow aborted when a variable was
+        assigned after it; results/tensorflow/first_step/). Without XLA,
+        VGG-19 trained at 0.68x the images/s of Keras's step under XLA
+        (batch 37, 8 GiB cap)."""
         may_swap = self.may_swap(runtime)
+        self._own_recompute = False
         if may_swap and not self.managed:
             patches.set(model, "train_step", self._rewire_after(model.train_step))
-            self._own_recompute = True
-        if not model.jit_compile:
-            return None
-        if may_swap:
-            what = ("its TensorFlow page-moving ops" if self.managed else
-                    "the control dependencies that time its host-to-device copies")
-            said = f"XLA cannot compile {what}."
-        elif first_step.turns_xla_off(runtime):
-            said = (f"under XLA its plan would need about {first_step.XLA_OVERHEAD}x "
-                    "the memory it predicts, over its limit, and a step under XLA "
-                    "that runs out of memory cannot be undone.")
-        else:
+            patches.set(model, "make_train_function",
+                        self._xla_checked(model, runtime, patches,
+                                          model.make_train_function))
+        said = self._without_xla(runtime, may_swap) if model.jit_compile else None
+        if said is None:
             return None
         patches.set(model, "jit_compile", False)
         return f"AutoVM set jit_compile=False: {said}"
+
+    def _without_xla(self, runtime, may_swap):
+        """Why the step must run without XLA, or `None`."""
+        named = runtime is None or runtime.plans.policy != "auto"
+        if may_swap and (self.managed or named or _swaps(runtime)):
+            what = ("its TensorFlow page-moving ops" if self.managed else
+                    "the control dependencies that time its host-to-device copies")
+            return f"XLA cannot compile {what}."
+        if first_step.turns_xla_off(runtime):
+            return (f"under XLA its plan would need about {first_step.XLA_OVERHEAD}x "
+                    "the memory it predicts, over its limit, and a step under XLA "
+                    "that runs out of memory cannot be undone.")
+        return None
+
+    def _xla_checked(self, model, runtime, patches, make):
+        """Keras's `make_train_function`, first turning XLA off where the plan
+        in force swaps (a replan can bring swaps to an `auto` step that ran
+        under XLA), and picking the recompute that matches the step."""
+        @functools.wraps(make)
+        def make_train_function(force=False):
+            if model.jit_compile and _swaps(runtime):
+                patches.set(model, "jit_compile", False)
+                runtime.warn("AutoVM set jit_compile=False: its new plan swaps, and "
+                             "XLA cannot compile the control dependencies that time "
+                             "its host-to-device copies.")
+            self._own_recompute = not model.jit_compile
+            return make(force=force)
+
+        return make_train_function
 
     def training_function(self, model, runtime, function):
         """On a GPU, each tight plan's first step is measured, and run
@@ -253,6 +279,12 @@ class PageMoves:
         moves = [t for ts in self.evict_after.values() for t in ts]
         moves += [t for ts in self.prefetch_at.values() for t in ts]
         self.uses = {t: moves.count(t) for t in applied.names("swap")}
+
+
+def _swaps(runtime):
+    """Whether the plan in force swaps."""
+    current = runtime.current if runtime is not None else None
+    return current is not None and bool(current.names("swap"))
 
 
 def _ops():
