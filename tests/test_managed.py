@@ -79,8 +79,9 @@ def test_xla_stays_on_for_plans_that_do_not_swap(policy, off, hooked):
 
 def installed(policy, swapping=False):
     """`policy`'s install on a small model compiled with XLA, the plan in
-    force swapping (`offload_all`'s) where `swapping`; (patches, model,
-    what the runtime warned)."""
+    force swapping (`offload_all`'s) where `swapping`: (patches, model,
+    runtime, what was said: install's message, then the runtime's
+    warnings)."""
     from keras_autovm.budget import PlanBook
     from keras_autovm.patches import Patches
     from keras_autovm.runtime import Runtime
