@@ -42,7 +42,11 @@ class TensorFlowMechanism(Mechanism):
         self._swapped = {}
         self._moves = {}  # AppliedPlan -> its `PageMoves`.
         self._explicit = None  # The `swap.ExplicitSwap` of the step being traced.
-        self._own_recompute = False  # Set by `install`.
+        # Set as each training function is made (`_xla_checked`): whether
+        # its step runs under XLA, and who hears that a swap was left out.
+        self._own_recompute = False
+        self._under_xla = False
+        self._warn = None
 
     def actions(self):
         """Keep, recompute and swap.
@@ -123,7 +127,9 @@ class TensorFlowMechanism(Mechanism):
         does: page moves (managed mode, any policy that may swap), and the
         control dependencies that time explicit copies back (a named policy
         that may swap; under `auto`, a plan that swaps, now or after a
-        replan: `_xla_checked`). It is also turned off for a plan predicted
+        replan, `_xla_checked`, or no plan yet, `_without_xla`); with it,
+        the evaluation and prediction functions Keras builds during the
+        `fit` are dropped after it (`_xla_off`). It is also turned off for a plan predicted
         not to fit under XLA (`first_step.turns_xla_off`): under XLA
         VGG-19's step needed 1.5x to 1.7x its plan, where TensorFlow's own
         executor needed 1.1x to 1.35x, and a step that ran out of memory
@@ -132,7 +138,7 @@ class TensorFlowMechanism(Mechanism):
         VGG-19 trained at 0.68x the images/s of Keras's step under XLA
         (batch 37, 8 GiB cap)."""
         may_swap = self.may_swap(runtime)
-        self._own_recompute = False
+        self._own_recompute = self._under_xla = False
         if may_swap and not self.managed:
             patches.set(model, "train_step", self._rewire_after(model.train_step))
             patches.set(model, "make_train_function",
@@ -141,13 +147,18 @@ class TensorFlowMechanism(Mechanism):
         said = self._without_xla(runtime, may_swap) if model.jit_compile else None
         if said is None:
             return None
-        patches.set(model, "jit_compile", False)
+        _xla_off(model, patches)
         return f"AutoVM set jit_compile=False: {said}"
 
     def _without_xla(self, runtime, may_swap):
-        """Why the step must run without XLA, or `None`."""
+        """Why the step must run without XLA, or `None`. Under `auto` with a
+        budget and no plan yet (a model whose inputs have unknown
+        dimensions: the plan is made as the step is traced), the plan may
+        swap."""
         named = runtime is None or runtime.plans.policy != "auto"
-        if may_swap and (self.managed or named or _swaps(runtime)):
+        unknown = (runtime is not None and runtime.current is None
+                   and runtime.plans.budget_bytes is not None)
+        if may_swap and (self.managed or named or unknown or _swaps(runtime)):
             what = ("its TensorFlow page-moving ops" if self.managed else
                     "the control dependencies that time its host-to-device copies")
             return f"XLA cannot compile {what}."
@@ -164,11 +175,13 @@ class TensorFlowMechanism(Mechanism):
         @functools.wraps(make)
         def make_train_function(force=False):
             if model.jit_compile and _swaps(runtime):
-                patches.set(model, "jit_compile", False)
+                _xla_off(model, patches)
                 runtime.warn("AutoVM set jit_compile=False: its new plan swaps, and "
                              "XLA cannot compile the control dependencies that time "
                              "its host-to-device copies.")
-            self._own_recompute = not model.jit_compile
+            self._under_xla = bool(model.jit_compile)
+            self._own_recompute = not self._under_xla
+            self._warn = runtime.warn
             return make(force=force)
 
         return make_train_function
@@ -182,16 +195,29 @@ class TensorFlowMechanism(Mechanism):
     # --------------------------------------------------------- explicit swap
 
     def recompute(self, fn):
-        """`keras.remat(fn)`; under a policy that may swap explicitly,
-        `swap.recompute(fn)`, which leaves the step's numbers unchanged. The
-        last output keeps the logits a loss reads (`logits.recompute`)."""
+        """`keras.remat(fn)`; in a step without XLA under a policy that may
+        swap explicitly (`auto` included), `swap.recompute(fn)`, which leaves
+        the step's numbers unchanged. The last output keeps the logits a
+        loss reads (`logits.recompute`)."""
         run = swap.recompute if self._own_recompute else super().recompute
         return logits.recompute(fn, run)
 
     def _explicit_for(self, applied):
-        """The `ExplicitSwap` of the step being traced, or `None`."""
+        """The `ExplicitSwap` of the step being traced, or `None`. A step
+        under XLA keeps what its plan swaps, and says so: the plan in force
+        did not swap when XLA was left on, but the plan of another batch
+        size (a last partial batch) can."""
         if self.managed or applied is None or not applied.names("swap") \
                 or tf.executing_eagerly():
+            return None
+        if self._under_xla:
+            if self._warn is not None:
+                self._warn(
+                    f"AutoVM kept the outputs its plan for batch size "
+                    f"{applied.plan.graph.batch_size} swaps: the step is compiled "
+                    "with XLA, which cannot compile the control dependencies that "
+                    "time its host-to-device copies.")
+                self._warn = None  # Once a training function.
             return None
         current = self._explicit
         if current is None or current.applied is not applied \
@@ -279,6 +305,15 @@ class PageMoves:
         moves = [t for ts in self.evict_after.values() for t in ts]
         moves += [t for ts in self.prefetch_at.values() for t in ts]
         self.uses = {t: moves.count(t) for t in applied.names("swap")}
+
+
+def _xla_off(model, patches):
+    """Turns XLA off for the `fit`; the evaluation and prediction functions
+    that Keras builds meanwhile (validation) are dropped with it, so that
+    after the `fit` they are built under XLA again."""
+    patches.set(model, "jit_compile", False)
+    for name in ("test_function", "predict_function"):
+        patches.set(model, name, getattr(model, name, None))
 
 
 def _swaps(runtime):
