@@ -159,9 +159,8 @@ class TensorFlowMechanism(Mechanism):
         unknown = (runtime is not None and runtime.current is None
                    and runtime.plans.budget_bytes is not None)
         if may_swap and (self.managed or named or unknown or _swaps(runtime)):
-            what = ("its TensorFlow page-moving ops" if self.managed else
-                    "the control dependencies that time its host-to-device copies")
-            return f"XLA cannot compile {what}."
+            return ("XLA cannot compile its TensorFlow page-moving ops." if self.managed
+                    else f"{_XLA_CANNOT}.")
         if first_step.turns_xla_off(runtime):
             return (f"under XLA its plan would need about {first_step.XLA_OVERHEAD}x "
                     "the memory it predicts, over its limit, and a step under XLA "
@@ -176,9 +175,8 @@ class TensorFlowMechanism(Mechanism):
         def make_train_function(force=False):
             if model.jit_compile and _swaps(runtime):
                 _xla_off(model, patches)
-                runtime.warn("AutoVM set jit_compile=False: its new plan swaps, and "
-                             "XLA cannot compile the control dependencies that time "
-                             "its host-to-device copies.")
+                runtime.warn(f"AutoVM set jit_compile=False: its new plan swaps, "
+                             f"and {_XLA_CANNOT}.")
             self._under_xla = bool(model.jit_compile)
             self._own_recompute = not self._under_xla
             self._warn = runtime.warn
@@ -215,8 +213,7 @@ class TensorFlowMechanism(Mechanism):
                 self._warn(
                     f"AutoVM kept the outputs its plan for batch size "
                     f"{applied.plan.graph.batch_size} swaps: the step is compiled "
-                    "with XLA, which cannot compile the control dependencies that "
-                    "time its host-to-device copies.")
+                    f"with XLA, and {_XLA_CANNOT}.")
                 self._warn = None  # Once a training function.
             return None
         current = self._explicit
@@ -305,6 +302,11 @@ class PageMoves:
         moves = [t for ts in self.evict_after.values() for t in ts]
         moves += [t for ts in self.prefetch_at.values() for t in ts]
         self.uses = {t: moves.count(t) for t in applied.names("swap")}
+
+
+# Why an explicit swap needs its step without XLA.
+_XLA_CANNOT = ("XLA cannot compile the control dependencies that time its "
+               "host-to-device copies")
 
 
 def _xla_off(model, patches):
