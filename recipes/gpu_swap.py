@@ -503,12 +503,24 @@ def spawn(args, part, model, extra=(), quiet=False):
         text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else str(error.stdout)
         return {"part": part, "model": model, "status": "timeout",
                 "wall_s": time.time() - start, "log_tail": text[-2000:]}
+    save_log(args, part, model, extra, text)
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     result = json.loads(lines[-1][7:]) if lines else {"status": "crashed", "part": part}
     result.update(wall_s=time.time() - start, log_tail=text[-2000:])
     if not quiet:
         print(f"{part} {model}: {result['status']} ({result['wall_s']:.0f} s)", flush=True)
     return result
+
+
+def save_log(args, part, model, extra, text):
+    """The child's whole output under `--logs` (an out-of-memory report
+    lists what was live; the JSON keeps only the tail)."""
+    if not args.logs:
+        return
+    os.makedirs(args.logs, exist_ok=True)
+    name = "_".join([part, model] + [str(x).lstrip("-") for x in extra[:4]])
+    with open(os.path.join(args.logs, name + ".log"), "w") as f:
+        f.write(text)
 
 
 def versions(backend):
@@ -539,6 +551,8 @@ def main():
     parser.add_argument("--headroom", type=float, default=None,
                         help="AutoVM's headroom for every AutoVM run (default: its own)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--logs", default=None,
+                        help="a folder for each run's whole output")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -558,7 +572,8 @@ def main():
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
                # Environment that changes what runs (set on the command line).
                "environment": {k: os.environ[k] for k in (
-                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB") if k in os.environ},
+                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB", "TF_GPU_ALLOCATOR")
+                   if k in os.environ},
                "versions": versions(args.backend), "parts": {}}
 
     def save():
