@@ -114,6 +114,14 @@ def graph_for(model, batch_size, mechanism, profile=None, input_shapes=None):
     return graph if profile is None else profile.apply(graph)
 
 
+def planning_cost(cost, mechanism):
+    """`cost` as `mechanism` runs plans: its swap costs, whether it replays
+    recompute segments whole, whether an unchanged step holds outputs."""
+    return dataclasses.replace(mechanism.swap_cost(cost),
+                               replay_segments=mechanism.replays_segments,
+                               holds_outputs=mechanism.holds_outputs)
+
+
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
                 memory_scale=1.0):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
@@ -135,9 +143,7 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             f"cannot carry out on the {keras.backend.backend()} backend (it can "
             f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     limit = int(budget_bytes * (1 - headroom) / memory_scale)
-    cost = dataclasses.replace(mechanism.swap_cost(cost),
-                               replay_segments=mechanism.replays_segments,
-                               holds_outputs=mechanism.holds_outputs)
+    cost = planning_cost(cost, mechanism)
     try:
         plan = planner.make_plan(graph, limit, policy=policy, cost=cost,
                                  allowed=allowed)
@@ -224,9 +230,32 @@ class PlanBook:
             self._graphs[key] = graph_for(self.model, batch_size, self.mechanism,
                                           self.profile, input_shapes)
         self._last_shapes[batch_size] = input_shapes
-        plan = plan_within(self._graphs[key], self.budget_bytes,
-                           self.headroom, self.policy, self.cost, self.mechanism,
-                           self.memory_scale)
+        try:
+            plan = plan_within(self._graphs[key], self.budget_bytes,
+                               self.headroom, self.policy, self.cost, self.mechanism,
+                               self.memory_scale)
+        except planner.PlanError as error:
+            if not self.mechanism.checks_own_step(self.policy):
+                raise
+            plan = self._refused(self._graphs[key], error)
         if self.announce is not None:
             self.announce(plan)
         return plan
+
+    def _refused(self, graph, error):
+        """Keep-all carrying `error`, for a mechanism that checks the
+        framework's own step before it runs (`Mechanism.checks_own_step`):
+        the planner's model of memory is not the framework's (on JAX, XLA
+        fuses and rematerializes: on an H200 under an 8 GiB cap, Keras's
+        own step trained ResNet-152 at batch 62, where no plan fitted the
+        planner's model at 60)."""
+        plan = planner.make_plan(graph, None, policy="keep_all",
+                                 cost=planning_cost(self.cost, self.mechanism))
+        limit = int(self.budget_bytes * (1 - self.headroom) / self.memory_scale)
+        plan.notes.append(
+            "No plan fits by AutoVM's model of memory; the framework's own step "
+            "is checked before it runs, and runs unchanged if it fits. "
+            f"Otherwise: {error}")
+        return dataclasses.replace(plan, budget=limit, device_budget=self.budget_bytes,
+                                   headroom=self.headroom,
+                                   memory_scale=self.memory_scale, refused=error)

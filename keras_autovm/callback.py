@@ -298,8 +298,12 @@ class AutoVM(keras.callbacks.Callback):
             plans.cost, plans.memory_scale = old
             self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
             return False
-        self._runtime.replace(new)
         self._mechanism.keep_traced(plan, new)
+        if new.refused is not None:  # Only tracing could tell: keep what runs.
+            plans.cost, plans.memory_scale = old
+            self._console.warn(f"AutoVM kept its plan: replanning failed: {new.refused}")
+            return False
+        self._runtime.replace(new)
         # A step that ran unchanged and now runs under AutoVM (or back) is
         # a new plan too, though every tensor is still kept.
         if new.actions != plan.actions or new.unchanged != plan.unchanged:

@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import keras
@@ -256,3 +257,20 @@ def test_failed_replan_keeps_the_plan_in_use(monkeypatch):
         assert not callback._calibrate(plan.result.step_time * 10, None, plan)
     assert any("kept its plan" in str(w.message) for w in caught)
     assert callback.plan is plan
+
+
+def test_a_replan_only_tracing_could_accept_keeps_the_plan_in_use(monkeypatch):
+    """A replan the planner refuses, whose step only tracing could check
+    (`Plan.refused`, JAX), is a failed replan: the plan that runs stays."""
+    callback = autovm(policy="sqrt_recompute")
+    train(small_cnn, [callback], epochs=1)
+    plan, plans = callback.plan, callback._runtime.plans
+    before = plans.cost, plans.memory_scale
+    refused = dataclasses.replace(plan, refused=keras_autovm.PlanError("none fits", 1))
+    monkeypatch.setattr(plans, "plan", lambda batch_size: refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not callback._calibrate(plan.result.step_time * 10, None, plan)
+    assert any("kept its plan" in str(w.message) and "none fits" in str(w.message)
+               for w in caught)
+    assert callback.plan is plan and (plans.cost, plans.memory_scale) == before

@@ -128,3 +128,60 @@ def test_an_unchanged_step_stays_unchanged_across_a_replan(monkeypatch):
     assert new.result.peak_bytes == old.result.peak_bytes
     assert callback.report.stats["unchanged_traces"] == 1  # Not traced again.
     assert not any(e.get("replanned") for e in callback.report.epochs)
+
+
+def under_least(policy="auto"):
+    """A budget 20% under the least any `policy` plan of `small_cnn` at
+    batch 8 fits with the default costs (measured costs move the least a
+    little: the search's ties break by time)."""
+    keras.utils.set_random_seed(7)
+    with pytest.raises(keras_autovm.PlanError) as error:
+        keras_autovm.plan(small_cnn(), 8, budget=1024, policy=policy, headroom=0.0)
+    return int(error.value.min_budget * 0.8)
+
+
+def refused_fit(budget, policy="auto"):
+    return keras_autovm.AutoVM(budget=budget, policy=policy, headroom=0.0, verbose=0,
+                               apply_without_gpu=True)
+
+
+@pytest.mark.parametrize("policy", ["auto", "keep_all"])
+def test_a_budget_the_planner_refuses_runs_keras_own_step_where_xla_fits_it(
+        checking, monkeypatch, policy):
+    """Under every plan's least, Keras's own step still runs where XLA's
+    analysis of it fits (on a GPU that is what XLA's fusion and
+    rematerialization allow: ResNet-152 on JAX, results.md)."""
+    from keras_autovm.mechanisms.jax import compiled
+    budget = under_least(policy)
+    monkeypatch.setattr(compiled, "peak", lambda fn, args: budget // 2)
+    reference = train()
+    callback = refused_fit(budget, policy)
+    model = train([callback])
+    plan = callback.plan
+    assert plan.unchanged and plan.refused is None and plan.fits
+    assert plan.result.peak_bytes == budget // 2
+    assert any("No plan fits by AutoVM's model" in n for n in plan.notes)
+    assert callback.report.stats["unchanged_traces"] >= 1
+    assert_same_weights(reference, model)
+
+
+def test_a_budget_the_planner_refuses_fails_before_a_step_where_xla_does_not_fit(
+        checking):
+    budget = under_least()
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(keras_autovm.PlanError, match="Keras's own compiled step needs") as error:
+        model.fit(*data(32), batch_size=8, epochs=1, verbose=0,
+                  callbacks=[refused_fit(budget)])
+    # The planner's least (XLA's own step needs more on a CPU), and no step ran.
+    assert budget < error.value.min_budget < budget / 0.8 * 1.1
+    assert "No plan fits" in str(error.value)
+    for x, y in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_without_a_gpu_a_budget_the_planner_refuses_fails_at_once():
+    with pytest.raises(keras_autovm.PlanError, match="No plan fits"):
+        train([refused_fit(under_least())])

@@ -218,6 +218,14 @@ class Mechanism:
         outputs. The default passes them through."""
         return outputs
 
+    def checks_own_step(self, policy):
+        """Whether a budget no plan meets by the planner's model of memory
+        may still fit the framework's own step, checked before that step
+        runs. Then `fit` plans keep-all carrying the refusal
+        (`Plan.refused`), and the mechanism raises it when the step is
+        traced unless its own figure fits. The default: no such check."""
+        return False
+
     def keep_traced(self, old, new):
         """A replan kept `old`'s actions, so a traced step is not traced
         again: what was decided while tracing it under plan `old` holds for

@@ -76,6 +76,12 @@ class Plan:
             layer output (`CostModel.holds_outputs`: torch), or, on JAX, a
             plan keeping everything whose compiled step fits by XLA's memory
             analysis (set when the step is traced). Defaults to `False`.
+        refused: the `PlanError` of a budget no plan meets by the
+            planner's model of memory, carried by a keep-all plan whose
+            step the mechanism measures by the framework's own figure
+            before it runs (`Mechanism.checks_own_step`: JAX, by XLA's
+            memory analysis); raised then unless that step fits. `None`
+            otherwise. Defaults to `None`.
     """
 
     graph: object
@@ -91,6 +97,7 @@ class Plan:
     headroom: float = None
     memory_scale: float = 1.0
     unchanged: bool = False
+    refused: object = None
 
     @property
     def fits(self):
@@ -182,6 +189,7 @@ class Plan:
             "limit_bytes": self.budget,
             "fits": self.fits,
             "unchanged": self.unchanged,
+            "refused": None if self.refused is None else str(self.refused),
             "calibrated": self.calibrated,
             "counts": self.counts(),
             "tensors": [

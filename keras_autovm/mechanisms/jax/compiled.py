@@ -14,7 +14,7 @@ from keras_autovm.planner import format_bytes
 def run_unchanged(plan, peak):
     """Marks `plan` as running Keras's own step, whose peak is XLA's `peak`.
     Only the peak changes: the plan's timeline stays the planner's."""
-    plan.unchanged = True
+    plan.unchanged, plan.refused = True, None
     plan.result = dataclasses.replace(plan.result, peak_bytes=peak)
     plan.notes.append(f"The step runs unchanged: XLA's compiled step needs "
                       f"{format_bytes(peak)} by its memory analysis, within the limit.")
@@ -55,3 +55,24 @@ def no_plan_fits(plan, peak, tried):
         f"XLA's memory analysis of the compiled step: the last of {tried} "
         f"({plan.policy!r}) needs {format_bytes(peak)}, with {headroom * 100:g}% "
         "headroom.", math.ceil(peak / (1 - headroom)))
+
+
+def refused(plan, peak):
+    """The `PlanError` of a plan the planner refused (`Plan.refused`) whose
+    step Keras's own compiled step cannot replace: it needs `peak` bytes by
+    XLA's analysis (`None`: not read, the step not jitted). Its least budget
+    is the lesser of the planner's and what Keras's own step needs."""
+    error = plan.refused
+    if peak is None:
+        return PlanError(f"{_stem(error)} Keras's own step was not checked: it "
+                         "runs without jit.", error.min_budget)
+    own = math.ceil(peak / (1 - (plan.headroom or 0)))
+    return PlanError(
+        f"{_stem(error)} Keras's own compiled step needs {format_bytes(peak)} by "
+        "XLA's memory analysis, over the limit too.", min(error.min_budget, own))
+
+
+def _stem(error):
+    """`error`'s message without the smallest budget it states (a
+    `PlanError` appends it)."""
+    return str(error).split(" The smallest feasible budget is ")[0]

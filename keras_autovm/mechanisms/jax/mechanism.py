@@ -67,6 +67,7 @@ class JaxMechanism(Mechanism):
         self._eager = False  # Set by `install` when the policy may swap.
         self._step = None  # The `swap.SwapStep` of the step running.
         self._unchanged = {}  # AppliedPlan -> whether it runs unchanged.
+        self._own_peaks = {}  # AppliedPlan -> XLA's peak for Keras's own step.
         self._peaks = {}  # (batch size, actions) -> XLA's peak (`_xla_peak`).
         self._compiled = {}  # Eager steps' compiled calls (`calls.call_key`).
         self._ahead = ahead.AheadOfSteps(self._compiled, self.stats)
@@ -217,6 +218,8 @@ class JaxMechanism(Mechanism):
         if applied is None:
             return original(tv, ntv, mv, x, y, sw, training=training,
                             optimizer_variables=optimizer_variables)
+        if self._eager and applied.plan.refused is not None:
+            raise compiled.refused(applied.plan, None)  # Not jitted: not checked.
         if self._eager:  # A plan keeping all runs the compiled calls too.
             if self.compile_ahead:
                 applied = self._ahead.prepare(runtime, applied, args,
@@ -228,6 +231,8 @@ class JaxMechanism(Mechanism):
         jitted = isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
         if jitted and not self._runs_unchanged(original, runtime, applied, args):
             applied = self._checked(original, runtime, applied, args)
+        if applied.plan.refused is not None:  # Not jitted, or its own step did not fit.
+            raise compiled.refused(applied.plan, self._own_peaks.get(applied))
         if jitted and self._runs_unchanged(original, runtime, applied, args):
             self.stats["unchanged_traces"] += 1
             with runtime.stepping_aside():
@@ -258,7 +263,7 @@ class JaxMechanism(Mechanism):
         keeps): on an H100, VGG-19 at batch 80 under a 7.92 GiB cap was
         planned as fitting and ran out of memory. A plan no budget allows
         raises `PlanError` here, in the first step's trace."""
-        if self._eager or not self.checks_compiled_peak():
+        if self._eager or not self.checks_compiled_peak() or applied.plan.refused:
             return applied
         tried = []
         while True:
@@ -290,6 +295,12 @@ class JaxMechanism(Mechanism):
             self.stats["compiled_check_s"] += time.perf_counter() - start
         return self._peaks[key]
 
+    def checks_own_step(self, policy):
+        """On a GPU, a budget the planner's model refuses is checked against
+        XLA's memory analysis of Keras's own step (`Plan.refused`), for the
+        policies that would run it: `auto` and `keep_all`."""
+        return policy in ("auto", "keep_all") and self.checks_compiled_peak()
+
     def checks_compiled_peak(self):
         """Whether plans are checked against XLA's memory analysis of the
         compiled step (`_checked`): on a GPU, where XLA's memory is the
@@ -320,7 +331,7 @@ class JaxMechanism(Mechanism):
             peak = compiled.peak(unchanged, args)
             fits = peak is not None and compiled.fits(peak, plan)
             self.stats["unchanged_check_s"] += time.perf_counter() - start
-            self._unchanged[applied] = fits
+            self._unchanged[applied], self._own_peaks[applied] = fits, peak
             if fits:
                 compiled.run_unchanged(plan, peak)
         return self._unchanged[applied]
