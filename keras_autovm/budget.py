@@ -230,16 +230,42 @@ class PlanBook:
             self._graphs[key] = graph_for(self.model, batch_size, self.mechanism,
                                           self.profile, input_shapes)
         self._last_shapes[batch_size] = input_shapes
-        try:
-            plan = plan_within(self._graphs[key], self.budget_bytes,
-                               self.headroom, self.policy, self.cost, self.mechanism,
-                               self.memory_scale)
-        except planner.PlanError as error:
-            if not self.mechanism.checks_own_step(self.policy):
-                raise
-            plan = self._refused(self._graphs[key], error)
+        plan = self._own_step(self._graphs[key], input_shapes)
+        if plan is None:
+            try:
+                plan = plan_within(self._graphs[key], self.budget_bytes,
+                                   self.headroom, self.policy, self.cost,
+                                   self.mechanism, self.memory_scale)
+            except planner.PlanError as error:
+                if not self.mechanism.checks_own_step(self.policy):
+                    raise
+                plan = self._refused(self._graphs[key], error)
         if self.announce is not None:
             self.announce(plan)
+        return plan
+
+    def _keep_all(self, graph, **changes):
+        """Keep-all under this book's limit, whether or not it fits."""
+        plan = planner.make_plan(graph, None, policy="keep_all",
+                                 cost=planning_cost(self.cost, self.mechanism))
+        limit = int(self.budget_bytes * (1 - self.headroom) / self.memory_scale)
+        return dataclasses.replace(plan, budget=limit, device_budget=self.budget_bytes,
+                                   headroom=self.headroom,
+                                   memory_scale=self.memory_scale, **changes)
+
+    def _own_step(self, graph, input_shapes):
+        """The framework's own step, unchanged, where its own figure for it
+        (`Mechanism.own_step_peak`) fits the budget less the headroom:
+        no plan that changes the step runs faster."""
+        if not self.mechanism.checks_own_step(self.policy):
+            return None
+        peak = self.mechanism.own_step_peak(graph.batch_size, input_shapes)
+        if peak is None or peak > self.headroom_limit:
+            return None
+        plan = self._keep_all(graph, unchanged=True)
+        plan.result = dataclasses.replace(plan.result, peak_bytes=peak)
+        plan.notes.append(f"The step runs unchanged: the framework's own step needs "
+                          f"{planner.format_bytes(peak)} by its own figure, within the limit.")
         return plan
 
     def _refused(self, graph, error):
@@ -249,13 +275,9 @@ class PlanBook:
         fuses and rematerializes: on an H200 under an 8 GiB cap, Keras's
         own step trained ResNet-152 at batch 62, where no plan fitted the
         planner's model at 60)."""
-        plan = planner.make_plan(graph, None, policy="keep_all",
-                                 cost=planning_cost(self.cost, self.mechanism))
-        limit = int(self.budget_bytes * (1 - self.headroom) / self.memory_scale)
+        plan = self._keep_all(graph, refused=error)
         plan.notes.append(
             "No plan fits by AutoVM's model of memory; the framework's own step "
             "is checked before it runs, and runs unchanged if it fits. "
             f"Otherwise: {error}")
-        return dataclasses.replace(plan, budget=limit, device_budget=self.budget_bytes,
-                                   headroom=self.headroom,
-                                   memory_scale=self.memory_scale, refused=error)
+        return plan

@@ -154,13 +154,19 @@ def test_a_budget_the_planner_refuses_runs_keras_own_step_where_xla_fits_it(
     from keras_autovm.mechanisms.jax import compiled
     budget = under_least(policy)
     monkeypatch.setattr(compiled, "peak", lambda fn, args: budget // 2)
+    marked = []
+    run_unchanged = compiled.run_unchanged
+    monkeypatch.setattr(compiled, "run_unchanged",
+                        lambda plan, peak: marked.append(plan) or run_unchanged(plan, peak))
     reference = train()
     callback = refused_fit(budget, policy)
     model = train([callback])
     plan = callback.plan
     assert plan.unchanged and plan.refused is None and plan.fits
     assert plan.result.peak_bytes == budget // 2
-    assert any("No plan fits by AutoVM's model" in n for n in plan.notes)
+    # The first plan was the planner's refusal, run unchanged once traced.
+    assert any("No plan fits by AutoVM's model" in n for n in marked[0].notes)
+    assert marked[0].unchanged and marked[0].refused is None
     assert callback.report.stats["unchanged_traces"] >= 1
     assert_same_weights(reference, model)
 
@@ -185,3 +191,28 @@ def test_a_budget_the_planner_refuses_fails_before_a_step_where_xla_does_not_fit
 def test_without_a_gpu_a_budget_the_planner_refuses_fails_at_once():
     with pytest.raises(keras_autovm.PlanError, match="No plan fits"):
         train([refused_fit(under_least())])
+
+
+def test_keras_own_step_replaces_a_plan_that_changes_it_where_xla_fits_it(
+        checking, monkeypatch):
+    """A budget the planner meets only by recomputing, where XLA's analysis
+    of Keras's own step fits it: Keras's step runs, for the whole fit."""
+    from keras_autovm.mechanisms.jax import compiled
+    keras.utils.set_random_seed(7)
+    held = keras_autovm.plan(small_cnn(), 8, budget="1GiB",
+                             policy="keep_all").result.peak_bytes
+    budget = (int(under_least() / 0.8) + held) // 2
+    monkeypatch.setattr(compiled, "peak", lambda fn, args: budget // 2)
+    reference = train()
+    callback = refused_fit(budget)
+    model = train([callback])
+    plan, stats = callback.plan, callback.report.stats
+    assert plan.unchanged and plan.policy == "keep_all" and plan.fits
+    assert any("runs unchanged" in n for n in plan.notes)
+    # Traced once: the replan at the first epoch's end gave Keras's step again.
+    assert stats["checkpointed_traces"] == 0 and stats["unchanged_traces"] == 1
+    assert_same_weights(reference, model)
+    # The same budget without the check: the planner's plan recomputes.
+    keras.utils.set_random_seed(7)
+    planned = keras_autovm.plan(small_cnn(), 8, budget=budget, headroom=0.0)
+    assert planned.counts()["recompute"] > 0

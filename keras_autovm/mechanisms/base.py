@@ -226,6 +226,13 @@ class Mechanism:
         traced unless its own figure fits. The default: no such check."""
         return False
 
+    def own_step_peak(self, batch_size, input_shapes=None):
+        """The framework's own figure for its unchanged step at `batch_size`
+        (`input_shapes` as `PlanBook.plan` takes them), once read; `None`
+        where it is not known. `fit` runs that step where it fits the
+        budget less the headroom (`checks_own_step`)."""
+        return None
+
     def keep_traced(self, old, new):
         """A replan kept `old`'s actions, so a traced step is not traced
         again: what was decided while tracing it under plan `old` holds for
