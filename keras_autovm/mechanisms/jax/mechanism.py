@@ -375,6 +375,8 @@ class JaxMechanism(Mechanism):
         """An unchanged step stays so while XLA's peak fits the new plan
         (the callback retraces where `unchanged` differs)."""
         peak = old.result.peak_bytes
+        if new.unchanged:  # `PlanBook` already gave Keras's own step.
+            return
         if old.unchanged and new.actions == old.actions and compiled.fits(peak, new):
             compiled.run_unchanged(new, peak)
 
