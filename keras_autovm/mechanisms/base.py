@@ -219,11 +219,13 @@ class Mechanism:
         return outputs
 
     def checks_own_step(self, policy):
-        """Whether a budget no plan meets by the planner's model of memory
-        may still fit the framework's own step, checked before that step
-        runs. Then `fit` plans keep-all carrying the refusal
-        (`Plan.refused`), and the mechanism raises it when the step is
-        traced unless its own figure fits. The default: no such check."""
+        """Whether, under `policy`, the framework's own step is measured by
+        its own figure before a plan runs (`own_step_peak`), and runs
+        unchanged where that fits the budget less the headroom. A budget no
+        plan meets by the planner's model then does not stop `fit` at once:
+        it plans keep-all carrying the refusal (`Plan.refused`), which the
+        mechanism raises when the step is traced unless that step fits.
+        The default: no such check."""
         return False
 
     def own_step_peak(self, batch_size, input_shapes=None):
