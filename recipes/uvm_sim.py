@@ -53,6 +53,23 @@ def read_link(calibration, link_path):
     return uvm.UvmLink(**{k: v * 1e9 for k, v in gbps.items()}), gbps
 
 
+def copy_time_link(path, layers):
+    """The managed link figures (GB/s) of `gpu_uvm_copy_times.py`'s file:
+    for each kind, the bytes of one copy of every layer output over the
+    time the copies took at each layer's own size (layers under the
+    probe's floor left out)."""
+    with open(path) as f:
+        sizes = {r["nbytes"]: r["probe"] for r in json.load(f)["sizes"] if "probe" in r}
+    gbps = {}
+    for field, key in LINK_KEYS.items():
+        moved = [(l.output_bytes, sizes[l.output_bytes]) for l in layers
+                 if l.output_bytes in sizes]
+        figure = [p[key]["median"] if isinstance(p[key], dict) else p[key] for _, p in moved]
+        total = sum(n for n, _ in moved)
+        gbps[field] = total / sum(n / g for (n, _), g in zip(moved, figure))
+    return uvm.UvmLink(**{k: v * 1e9 for k, v in gbps.items()}), gbps
+
+
 def roofline_layers(batch):
     """VGG-19's layers with the planner's roofline times (uncalibrated)."""
     from keras_autovm import planner
@@ -71,6 +88,9 @@ def main():
     parser.add_argument("--calibration", default=None,
                         help="measured per-layer times (JSON); default: roofline")
     parser.add_argument("--link", default="results/gpu_managed_ops.json")
+    parser.add_argument("--copy-times", default=None,
+                        help="managed link figures from recipes/gpu_uvm_copy_times.py's "
+                             "file, weighted by the layers' sizes (default: --link's)")
     parser.add_argument("--batch", type=int, default=128,
                         help="batch size for the roofline estimate")
     parser.add_argument("--factors", default="1.25,1.5,2,3")
@@ -91,6 +111,8 @@ def main():
               "not measurements. Pass --calibration for a calibrated run.")
         layers, batch = roofline_layers(args.batch), args.batch
     link, gbps = read_link(calibration, args.link)
+    if args.copy_times:
+        link, gbps = copy_time_link(args.copy_times, layers)
     need = uvm.footprint(layers)
     rows = []
     for factor in (float(x) for x in args.factors.split(",")):
@@ -113,9 +135,9 @@ def main():
            "layer_times_from": args.calibration or "planner roofline estimate (CostModel())",
            "device": (calibration or {}).get("device"),
            "backend": (calibration or {}).get("backend"),
-           "batch_size": batch, "link_gbps": gbps, "link_from": args.link
-           if set(LINK_KEYS.values()) - set((calibration or {}).get("link") or {})
-           else args.calibration,
+           "batch_size": batch, "link_gbps": gbps, "link_from": args.copy_times or (
+               args.link if set(LINK_KEYS.values()) - set((calibration or {}).get("link") or {})
+               else args.calibration),
            "page_bytes": uvm.PAGE,
            "footprint_bytes": need,
            "compute_s": sum(l.fwd_s + l.bwd_s for l in layers),
