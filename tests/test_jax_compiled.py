@@ -216,3 +216,26 @@ def test_keras_own_step_replaces_a_plan_that_changes_it_where_xla_fits_it(
     keras.utils.set_random_seed(7)
     planned = keras_autovm.plan(small_cnn(), 8, budget=budget, headroom=0.0)
     assert planned.counts()["recompute"] > 0
+
+
+def test_a_replan_the_planner_refuses_after_xlas_figure_is_raised_at_once(
+        checking, monkeypatch):
+    """XLA's figure far over every plan: the overhead learnt from it leaves
+    no plan the planner accepts, and that refusal is the error (with
+    Keras's own step's figure), not more compiles of a keep-all it refused
+    (on an H200, ResNet-152 at batch 96 compiled it twice more, 22 s each,
+    and named a 27 GiB budget)."""
+    from keras_autovm.mechanisms.jax import compiled
+    keras.utils.set_random_seed(7)
+    held = keras_autovm.plan(small_cnn(), 8, budget="1GiB",
+                             policy="keep_all").result.peak_bytes
+    budget = (int(under_least() / 0.8) + held) // 2
+    calls = []
+    monkeypatch.setattr(compiled, "peak", lambda fn, args: calls.append(1) or 10 * budget)
+    with pytest.warns(UserWarning, match="planned again"):
+        with pytest.raises(keras_autovm.PlanError) as error:
+            train([refused_fit(budget)])
+    message = str(error.value)
+    assert "measured memory overhead" in message
+    assert "Keras's own compiled step needs" in message
+    assert len(calls) == 2  # Keras's own step, then the plan.

@@ -286,6 +286,8 @@ class JaxMechanism(Mechanism):
             runtime.plans.memory_scale = max(runtime.plans.memory_scale, ratio)
             runtime.replace(runtime.plans.plan(plan.graph.batch_size))
             applied = runtime.plan_for_inputs(args[3])
+            if applied.plan.refused is not None:  # The caller raises it.
+                return applied
 
     def _xla_peak(self, original, applied, args):
         """XLA's peak for the jitted step under `applied`, compiled once per
