@@ -11,14 +11,12 @@ offload through the checkpoint policy (measured: no device memory saved).
 
 import functools
 import gc
-import time
 
 import jax
 import keras
 from jax.ad_checkpoint import checkpoint_name
 
 from keras_autovm import internals
-from keras_autovm.planner import format_bytes
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.jax import ahead
 from keras_autovm.mechanisms.jax import calls
@@ -30,8 +28,6 @@ from keras_autovm.mechanisms.jax import timing
 IN_FLIGHT_SECONDS = 0.05
 # Compiled calls an eager step may enqueue ahead of the device (`SwapStep.enqueued`).
 RUN_AHEAD = 2
-# Plans made again, at most, when XLA's compiled step exceeds the budget.
-MAX_CHECKS = 3
 
 
 class JaxMechanism(Mechanism):
@@ -66,9 +62,7 @@ class JaxMechanism(Mechanism):
         self.events = []  # The last eager step's backward events (`swap.SwapStep`).
         self._eager = False  # Set by `install` when the policy may swap.
         self._step = None  # The `swap.SwapStep` of the step running.
-        self._unchanged = {}  # AppliedPlan -> whether it runs unchanged.
-        self._own = {}  # (batch, input shapes) -> XLA's peak for Keras's own step.
-        self._peaks = {}  # (batch size, actions) -> XLA's peak (`_xla_peak`).
+        self._checks = compiled.Checks(self.stats)  # XLA's figures, each compiled once.
         self._compiled = {}  # Eager steps' compiled calls (`calls.call_key`).
         self._ahead = ahead.AheadOfSteps(self._compiled, self.stats)
 
@@ -230,11 +224,13 @@ class JaxMechanism(Mechanism):
         # batch is concrete, not traced) holds far more (results.md).
         jitted = isinstance(keras.tree.flatten(x)[0], jax.core.Tracer)
         if jitted and applied.changes_anything and self.checks_own_step(runtime.plans.policy):
-            applied = self._own_step_if_fits(original, runtime, applied, args)
+            applied = self._checks.own_step_if_fits(runtime, applied, args,
+                                                    self._own_loss(original, runtime))
         if jitted and not self._runs_unchanged(original, runtime, applied, args):
             applied = self._checked(original, runtime, applied, args)
         if applied.plan.refused is not None:  # Not jitted, or its own step did not fit.
-            raise compiled.refused(applied.plan, self._own.get(_shapes(x)) if jitted else None)
+            own = self._checks.own.get(compiled.shapes(x)) if jitted else None
+            raise compiled.refused(applied.plan, own)
         if jitted and self._runs_unchanged(original, runtime, applied, args):
             self.stats["unchanged_traces"] += 1
             with runtime.stepping_aside():
@@ -257,130 +253,47 @@ class JaxMechanism(Mechanism):
         return jax.checkpoint(loss, policy=self.checkpoint_policy(applied))
 
     def _checked(self, original, runtime, applied, args):
-        """The plan to trace the step under: `applied`, or, where XLA's
-        compiled step needs more than the budget less the headroom by its
-        memory analysis, a plan made again with that gap learnt (as an
-        epoch whose measured peak was over the prediction teaches). The
-        planner's memory model is not XLA's (fusion, layouts, what XLA
-        keeps): on an H100, VGG-19 at batch 80 under a 7.92 GiB cap was
-        planned as fitting and ran out of memory. A plan no budget allows
-        raises `PlanError` here, in the first step's trace."""
+        """The plan to trace the step under (`compiled.Checks.checked`), on
+        a GPU; unchecked without one, in an eager step, or refused."""
         if self._eager or not self.checks_compiled_peak() or applied.plan.refused:
             return applied
-        tried = []
-        while True:
-            plan = applied.plan
-            peak = self._xla_peak(original, applied, args)
-            if peak is None or compiled.fits(peak, plan):
-                self.stats["compiled_peak_bytes"] = peak
-                return applied
-            tried.append(plan.actions)
-            if len(tried) > MAX_CHECKS:
-                raise compiled.no_plan_fits(plan, peak, len(tried))
-            ratio = peak / max(plan.result.peak_bytes, 1)
-            runtime.warn(
-                f"AutoVM planned again: XLA's compiled step needs {format_bytes(peak)} "
-                f"by its memory analysis, {ratio:.2f}x the plan's "
-                f"{format_bytes(plan.result.peak_bytes)}, over the budget less headroom.")
-            self.stats["compiled_replans"] += 1
-            runtime.plans.memory_scale = max(runtime.plans.memory_scale, ratio)
-            runtime.replace(runtime.plans.plan(plan.graph.batch_size))
-            applied = runtime.plan_for_inputs(args[3])
-            if applied.plan.refused is not None:  # The caller raises it.
-                return applied
-
-    def _xla_peak(self, original, applied, args):
-        """XLA's peak for the jitted step under `applied`, compiled once per
-        batch size and actions (a replan may make the same plan again)."""
-        key = (applied.plan.graph.batch_size, frozenset(applied.actions.items()))
-        if key not in self._peaks:
-            start = time.perf_counter()
-            self._peaks[key] = compiled.peak(self._planned_loss(original, applied), args)
-            self.stats["compiled_check_s"] += time.perf_counter() - start
-        return self._peaks[key]
+        return self._checks.checked(runtime, applied, args,
+                                    functools.partial(self._planned_loss, original))
 
     def checks_own_step(self, policy):
         """On a GPU, under `auto` and `keep_all`, Keras's own step is checked
         against the budget by XLA's memory analysis before a plan runs: it
-        runs unchanged where that fits (`_own_step_if_fits`), also where the
-        planner's model refuses the budget (`Plan.refused`)."""
+        runs unchanged where that fits (`Checks.own_step_if_fits`), also
+        where the planner's model refuses the budget (`Plan.refused`)."""
         return policy in ("auto", "keep_all") and self.checks_compiled_peak()
 
     def own_step_peak(self, batch_size, input_shapes=None):
-        """XLA's peak for Keras's own step at `batch_size` (and the inputs'
-        `input_shapes` without the batch, where the model's are unknown),
-        once a trace has read it; else `None`."""
-        for (batch, shapes), peak in self._own.items():
-            if batch == batch_size and (input_shapes is None
-                                        or tuple(map(tuple, input_shapes)) == shapes):
-                return peak
-        return None
+        return self._checks.own_step_peak(batch_size, input_shapes)
 
-    def _own_peak(self, original, runtime, args):
-        """XLA's peak for Keras's own step on arrays shaped as `args`, by its
-        memory analysis; compiled once per input shapes."""
-        key = _shapes(args[3])
-        if key not in self._own:
-            start = time.perf_counter()
-
-            def unchanged(tv, ntv, mv, x, y, sw, ov):
-                with runtime.stepping_aside():
-                    return original(tv, ntv, mv, x, y, sw, training=True,
-                                    optimizer_variables=ov)
-
-            self._own[key] = compiled.peak(unchanged, args)
-            self.stats["unchanged_check_s"] += time.perf_counter() - start
-        return self._own[key]
-
-    def _own_step_if_fits(self, original, runtime, applied, args):
-        """Keras's own step where XLA's analysis of it fits the budget less
-        the headroom, in place of a plan that changes the step: the
-        planner's model of memory is not XLA's (on an H200 under an 8 GiB
-        cap, ResNet-152 at batch 62 was planned with 367 of 516 outputs
-        recomputed, at 0.73x Keras's speed, where Keras's own step fitted).
-        The plans for this batch size are then Keras's step
-        (`PlanBook.plan` reads `own_step_peak`)."""
-        peak = self._own_peak(original, runtime, args)
-        if peak is None or not compiled.fits(peak, applied.plan):
-            return applied
-        runtime.replace(runtime.plans.plan(applied.plan.graph.batch_size))
-        return runtime.plan_for_inputs(args[3])
+    def _own_loss(self, original, runtime):
+        """Keras's own loss function, run outside the plan."""
+        def unchanged(tv, ntv, mv, x, y, sw, ov):
+            with runtime.stepping_aside():
+                return original(tv, ntv, mv, x, y, sw, training=True,
+                                optimizer_variables=ov)
+        return unchanged
 
     def checks_compiled_peak(self):
         """Whether plans are checked against XLA's memory analysis of the
-        compiled step (`_checked`): on a GPU, where XLA's memory is the
-        device's. The analysis compiles the step once more."""
+        compiled step (`compiled.Checks`): on a GPU, where XLA's memory is
+        the device's. The analysis compiles the step once more."""
         return self.gpu_available()
 
     def _runs_unchanged(self, original, runtime, applied, args):
-        """Whether a keep-all plan runs as Keras runs it: where XLA's own
-        compiled step fits the limit, by its memory analysis (the planner's
-        keep-all figure is not XLA's: VGG-19 at batch 64, 6.15 GiB
-        predicted, 10.63 GiB in-core on an H100). Otherwise each stateless
-        layer runs under its own checkpoint (`call_layer`), which cost
-        VGG-19 7% of its step. Decided once per plan, while the step is
-        traced; the plan then carries XLA's peak."""
-        plan = applied.plan
+        """Whether a keep-all plan runs as Keras runs it
+        (`compiled.Checks.runs_unchanged`); a plan that changes the step,
+        or an eager step, does not."""
         if applied.changes_anything or self._eager:
             return False
-        if plan.unchanged:  # Decided under the plan it replaced (`keep_traced`).
-            self._unchanged[applied] = True
-        if applied not in self._unchanged:
-            peak = self._own_peak(original, runtime, args)
-            fits = peak is not None and compiled.fits(peak, plan)
-            self._unchanged[applied] = fits
-            if fits:
-                compiled.run_unchanged(plan, peak)
-        return self._unchanged[applied]
+        return self._checks.runs_unchanged(applied, args, self._own_loss(original, runtime))
 
     def keep_traced(self, old, new):
-        """An unchanged step stays so while XLA's peak fits the new plan
-        (the callback retraces where `unchanged` differs)."""
-        peak = old.result.peak_bytes
-        if new.unchanged:  # `PlanBook` already gave Keras's own step.
-            return
-        if old.unchanged and new.actions == old.actions and compiled.fits(peak, new):
-            compiled.run_unchanged(new, peak)
+        compiled.keep_traced(old, new)
 
     def adjust_graph(self, graph, model, input_shapes=None):
         """`graph` with the scratch memory each op's compiled programs need
@@ -422,8 +335,3 @@ def _has_pinned_host():
     """Whether the default device has a pinned host memory space to offload to."""
     return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
 
-
-def _shapes(x):
-    """(batch size, each input's shape without it) of a batch of inputs."""
-    flat = keras.tree.flatten(x)
-    return int(flat[0].shape[0]), tuple(tuple(a.shape[1:]) for a in flat)
