@@ -38,12 +38,7 @@ class Checks:
 
     def own_peak(self, loss, args):
         """XLA's peak for Keras's own step (`loss`) on arrays shaped as `args`."""
-        key = shapes(args[3])
-        if key not in self.own:
-            start = time.perf_counter()
-            self.own[key] = peak(loss, args)
-            self.stats["unchanged_check_s"] += time.perf_counter() - start
-        return self.own[key]
+        return self._once(self.own, shapes(args[3]), loss, args, "unchanged_check_s")
 
     def own_step_peak(self, batch_size, input_shapes=None):
         """XLA's peak for Keras's own step at `batch_size` (and the inputs'
@@ -59,11 +54,16 @@ class Checks:
         """XLA's peak for the step under `applied` (`loss`), compiled once per
         batch size and actions (a replan may make the same plan again)."""
         key = (applied.plan.graph.batch_size, frozenset(applied.actions.items()))
-        if key not in self.peaks:
+        return self._once(self.peaks, key, loss, args, "compiled_check_s")
+
+    def _once(self, cache, key, loss, args, stat):
+        """`cache[key]`, XLA's peak for `loss`, compiled the first time
+        only; the seconds that took are added to `stats[stat]`."""
+        if key not in cache:
             start = time.perf_counter()
-            self.peaks[key] = peak(loss, args)
-            self.stats["compiled_check_s"] += time.perf_counter() - start
-        return self.peaks[key]
+            cache[key] = peak(loss, args)
+            self.stats[stat] += time.perf_counter() - start
+        return cache[key]
 
     def own_step_if_fits(self, runtime, applied, args, loss):
         """Keras's own step (`loss`) where XLA's analysis of it fits the
