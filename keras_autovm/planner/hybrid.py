@@ -20,6 +20,7 @@ from .schedule import first_backward_use
 from .simulate import simulate
 from .units import halves
 from .units import recompute_units
+from .units import region_units
 from .units import swap_units
 
 # Greedy rounds (one simulation each) before giving up on the budget.
@@ -39,6 +40,9 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
     Uses only the actions in `allowed`. Model outputs and tensors saved
     inside their producer are never swapped; recomputation replays pieces
     of dataflow chains (`units.dataflow_chains`), which become the plan's
+    segments. Where the backend recomputes by name and does not swap
+    (`_by_name`), runs of regions between cuts are tried too
+    (`units.region_units`), and the better plan is kept; such a plan has no
     segments. With no budget, or if everything fits, nothing changes.
 
     Args:
@@ -63,17 +67,41 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
         if alone.best_fits() or \
                 alone.best[2].peak_bytes < search.best[2].peak_bytes:
             search = alone
+    if _by_name(cost, allowed):
+        regions = _search(graph, cost, budget, allowed, base, regions=True)
+        if _ahead_of(regions.best, search.best, budget):
+            search = regions
     actions, prefetch, _ = search.best
-    segments = sorted((u.segment for u in search.units_of(search.best_chosen)
-                       if u.kind == "recompute"),
-                      key=lambda s: search.index[s[0]])
+    segments = [] if search.regions else sorted(
+        (u.segment for u in search.units_of(search.best_chosen) if u.kind == "recompute"),
+        key=lambda s: search.index[s[0]])
     return _finish(graph, cost, budget, "hybrid", actions, prefetch,
                    segments=segments,
                    uses=tuple(a for a in ("swap", "recompute") if a in allowed))
 
 
-def _search(graph, cost, budget, allowed, base):
-    search = _Search(graph, cost, budget, allowed, base)
+def _by_name(cost, allowed):
+    """Whether recompute units may be runs of regions: the backend makes
+    again whatever is not kept (JAX under jit), instead of replaying chains
+    of layers, and the plan does not swap (on JAX a plan that swaps runs
+    without jit, replaying its segments)."""
+    return not cost.replay_segments and "recompute" in allowed and "swap" not in allowed
+
+
+def _ahead_of(a, b, budget):
+    """Whether the simulated choice `a` beats `b`, each `(actions,
+    prefetch, result)`: fitting first, then faster, then fewer actions;
+    else a lower peak."""
+    fits_a, fits_b = a[2].peak_bytes <= budget, b[2].peak_bytes <= budget
+    if fits_a != fits_b:
+        return fits_a
+    if fits_a:
+        return (a[2].step_time, len(a[0])) < (b[2].step_time, len(b[0]))
+    return a[2].peak_bytes < b[2].peak_bytes
+
+
+def _search(graph, cost, budget, allowed, base, regions=False):
+    search = _Search(graph, cost, budget, allowed, base, regions)
     search.greedy()
     if not search.best_fits():
         search.frugal()
@@ -85,14 +113,16 @@ def _search(graph, cost, budget, allowed, base):
 class _Search:
     """The chosen units, prefetch distances, and the best plan seen."""
 
-    def __init__(self, graph, cost, budget, allowed, base):
+    def __init__(self, graph, cost, budget, allowed, base, regions=False):
         self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
         self.index = graph.op_index
+        self.regions = regions
         self.units = []
         if "swap" in allowed:
             self.units += swap_units(graph, cost, base)
         if "recompute" in allowed:
-            self.units += recompute_units(graph, cost)
+            units = region_units if regions else recompute_units
+            self.units += units(graph, cost)
         self.swap_of, self.redo_of = {}, {}
         for k, u in enumerate(self.units):
             target = self.swap_of if u.kind == "swap" else self.redo_of
@@ -134,7 +164,7 @@ class _Search:
                 k = ahead.setdefault(t, self._initial_ahead(t, first[t]))
                 prefetch[t] = self.graph.ops[min(first[t] + k, last)].name
         result = simulate(self.graph, actions, prefetch, self.cost)
-        if self.best is None or self._better(result, len(actions)):
+        if self.best is None or _ahead_of((actions, prefetch, result), self.best, self.budget):
             self.best = (actions, prefetch, result)
             self.best_chosen = set(chosen)
         return result
@@ -147,17 +177,6 @@ class _Search:
                 and self.after[first] - self.after[first + k] < need:
             k += 1
         return k
-
-    def _better(self, a, changed):
-        """Whether result `a` of `changed` actions beats the best so far:
-        fitting first, then faster, then fewer actions; else a lower peak."""
-        b = self.best[2]
-        fits_a, fits_b = a.peak_bytes <= self.budget, b.peak_bytes <= self.budget
-        if fits_a != fits_b:
-            return fits_a
-        if fits_a:
-            return (a.step_time, changed) < (b.step_time, len(self.best[0]))
-        return a.peak_bytes < b.peak_bytes
 
     def best_fits(self):
         return self.best[2].peak_bytes <= self.budget

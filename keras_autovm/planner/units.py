@@ -9,6 +9,14 @@ piece from its first op's inputs, as it does any recompute segment: the
 piece's inner outputs, and what its members save inside themselves, are
 recomputed; its last output is not.
 
+Where the backend recomputes by name (JAX under jit: whatever the plan
+does not keep, XLA makes again) a recompute unit may also be a run of
+regions (`region_units`): the ops between two cuts of the forward pass,
+points where one tensor is all that later ops read of what came before
+(a residual block's output). A chain ends at every branch, so in a ResNet
+the chains keep each block's output and its last batch norm's; a run of
+regions keeps only the output it ends with.
+
 Pure standard-library Python, no framework imports.
 """
 
@@ -26,6 +34,9 @@ class Unit:
         nbytes: their total size.
         segment: for recompute, the op names replayed (forward order).
         estimate: seconds the action is expected to add to the step.
+        cuts: for a run of regions, the positions in `segment` of the
+            ops each region ends with (where `halves` cuts it); empty for
+            a chain's piece.
     """
 
     kind: str
@@ -33,6 +44,7 @@ class Unit:
     nbytes: int
     segment: tuple = ()
     estimate: float = 0.0
+    cuts: tuple = ()
 
 
 def dataflow_chains(graph):
@@ -120,18 +132,26 @@ def recompute_units(graph, cost):
 
 
 def halves(graph, cost, unit):
-    """A recompute unit cut in two at its middle op (whose output is kept).
+    """A recompute unit cut in two (the first half's last output is kept):
+    a run of regions at the cut nearest its middle, else at its middle op.
 
     Returns:
         List of the halves that still free bytes.
     """
     piece, mid = unit.segment, len(unit.segment) // 2
-    halves = (_piece_unit(graph, cost, piece[:mid]),
-              _piece_unit(graph, cost, piece[mid:]))
+    if unit.cuts[:-1]:
+        cut = min(unit.cuts[:-1], key=lambda c: abs(c + 1 - mid))
+        mid = cut + 1
+        cuts = (tuple(c for c in unit.cuts if c < mid),
+                tuple(c - mid for c in unit.cuts if c >= mid))
+    else:
+        cuts = ((), ())
+    halves = (_piece_unit(graph, cost, piece[:mid], cuts[0]),
+              _piece_unit(graph, cost, piece[mid:], cuts[1]))
     return [h for h in halves if h is not None]
 
 
-def _piece_unit(graph, cost, piece):
+def _piece_unit(graph, cost, piece, cuts=()):
     """The recompute unit replaying `piece`, or `None` if it frees nothing."""
     if len(piece) < 2:
         return None
@@ -144,7 +164,64 @@ def _piece_unit(graph, cost, piece):
     redone = {t.producer for t in inner}
     return Unit("recompute", tuple(t.name for t in inner),
                 sum(t.nbytes for t in inner), piece,
-                sum(cost.fwd_time(ops[name]) for name in redone))
+                sum(cost.fwd_time(ops[name]) for name in redone),
+                cuts if len(cuts) > 1 else ())
+
+
+def cuts(graph):
+    """Positions of the ops after which the forward pass reads, of all that
+    came before, only that op's one output (which may be recomputed).
+
+    Args:
+        graph: a `Graph`.
+
+    Returns:
+        Sorted list of op positions in `graph.ops`.
+    """
+    index = graph.op_index
+    made = {op.name: [] for op in graph.ops}
+    closing = {i: [] for i in range(len(graph.ops))}
+    for t in graph.tensors:
+        if not t.internal:
+            made[t.producer].append(t)
+            last = max([index[r] for r in t.fwd_readers] + [index[t.producer]])
+            closing[last].append(t.name)
+    read_later, found = set(), []
+    for i, op in enumerate(graph.ops):
+        read_later.update(t.name for t in made[op.name] if t.name not in closing[i])
+        read_later.difference_update(closing[i])
+        out = made[op.name]
+        if len(out) == 1 and read_later == {out[0].name} and out[0].can_recompute:
+            found.append(i)
+    return found
+
+
+def region_units(graph, cost):
+    """Runs of about sqrt(R) of the graph's R regions (the ops between two
+    `cuts`), for a backend that recomputes by name: recomputing a run's
+    tensors, all but the one it ends with, needs only the one before it.
+
+    Args:
+        graph: a `Graph`.
+        cost: a `CostModel`, for each unit's recompute time.
+
+    Returns:
+        List of `Unit`s of kind `"recompute"` that free some bytes.
+    """
+    bounds = [-1] + cuts(graph)
+    if bounds[-1] != len(graph.ops) - 1:  # The ops after the last cut.
+        bounds.append(len(graph.ops) - 1)
+    regions = [range(a + 1, b + 1) for a, b in zip(bounds, bounds[1:])]
+    count = math.ceil(len(regions) / max(2, round(math.sqrt(len(regions)))))
+    units = []
+    for j in range(count):
+        run = regions[j * len(regions) // count:(j + 1) * len(regions) // count]
+        start = run[0][0]
+        piece = tuple(graph.ops[i].name for r in run for i in r)
+        unit = _piece_unit(graph, cost, piece, tuple(r[-1] - start for r in run))
+        if unit is not None:
+            units.append(unit)
+    return units
 
 
 def swap_units(graph, cost, base):

@@ -96,6 +96,44 @@ def branched(cells=6, branches=3, depth=4, base=2**20):
                  outputs=(prev,))
 
 
+def residual(blocks=12, depth=3, base=2**20):
+    """Residual blocks, as a ResNet builds them.
+
+    Block k reads the previous block's output `out{k-1}` with a chain of
+    `depth` conv-like ops (backward reads the input; the last is 4x wider),
+    adds the chain's end to that output (`add{k}`, backward reads nothing)
+    and applies a ReLU-like `out{k}` (backward reads its input). A chain
+    breaks at every add, so chains alone keep two tensors per block.
+    """
+    ops, tensors, readers = [], {}, {}
+
+    def add(name, inputs, nbytes, flops, bwd_reads_input=True):
+        ops.append(OpSpec(name, tuple(inputs), (name,), flops=flops,
+                          mem_bytes=3 * nbytes, unary=len(inputs) == 1))
+        tensors[name] = nbytes
+        for x in inputs:
+            fwd, bwd = readers.setdefault(x, ([], []))
+            fwd.append(name)
+            if bwd_reads_input:
+                bwd.append(name)
+
+    add("out-1", (), 4 * base, 1e9)
+    for k in range(blocks):
+        src = f"out{k - 1}"
+        for d in range(depth):
+            wide = d == depth - 1
+            add(f"b{k}c{d}", (src,), (4 if wide else 1) * base, 2e9)
+            src = f"b{k}c{d}"
+        add(f"add{k}", (f"out{k - 1}", src), 4 * base, 0.0, bwd_reads_input=False)
+        add(f"out{k}", (f"add{k}",), 4 * base, 0.0)
+    specs = tuple(
+        TensorSpec(name, nbytes, name, tuple(readers.get(name, ([], []))[0]),
+                   tuple(readers.get(name, ([], []))[1]))
+        for name, nbytes in tensors.items())
+    return Graph(tuple(ops), specs, persistent_bytes=4 * base,
+                 outputs=(f"out{blocks - 1}",))
+
+
 def best_time(fn, repeats=3):
     """(least seconds of `repeats` calls of `fn`, its last result)."""
     rounds = []

@@ -7,11 +7,15 @@ from keras_autovm.planner import TensorSpec
 from keras_autovm.planner import make_plan
 from keras_autovm.planner import simulate
 from keras_autovm.planner.choose import CANDIDATES
+from keras_autovm.planner.units import cuts
 from keras_autovm.planner.units import dataflow_chains
+from keras_autovm.planner.units import halves
+from keras_autovm.planner.units import region_units
 from planner_graphs import best_time
 from planner_graphs import branched
 from planner_graphs import chain
 from planner_graphs import conv_chain
+from planner_graphs import residual
 
 COST = CostModel()
 OLD = [n for n in CANDIDATES if n != "hybrid"]
@@ -22,9 +26,9 @@ def keep_peak(graph, cost=COST):
     return simulate(graph, {}, None, cost).peak_bytes
 
 
-def least_peak(graph, policy, allowed):
+def least_peak(graph, policy, allowed, cost=COST):
     with pytest.raises(PlanError) as info:
-        make_plan(graph, 1, policy, allowed=allowed)
+        make_plan(graph, 1, policy, allowed=allowed, cost=cost)
     return info.value.min_budget
 
 
@@ -160,3 +164,63 @@ def test_hybrid_on_500_branched_ops_is_fast_enough():
     assert plan.fits
     hybrid = make_plan(g, budget, "hybrid")
     assert hybrid.result.step_time <= plan.result.step_time * 1.001
+
+
+# Runs of regions (`units.region_units`): only where the backend recomputes
+# by name (`CostModel.replay_segments` false) and the plan does not swap.
+REPLAYS = CostModel(replay_segments=True)
+
+
+def test_cuts_are_where_one_tensor_carries_the_forward_on():
+    g = residual(blocks=3, depth=2)
+    names = [g.ops[i].name for i in cuts(g)]
+    # Not the model's output: nothing reads it in the forward pass.
+    assert names == ["out-1", "add0", "out0", "add1", "out1", "add2"]
+
+
+def test_regions_reach_below_chains_on_residual_blocks():
+    g = residual()
+    keep = keep_peak(g)
+    chains = least_peak(g, "auto", RECOMPUTE_ONLY, REPLAYS)
+    regions = least_peak(g, "auto", RECOMPUTE_ONLY)
+    # Chains keep each block's add inputs: about half of keep-all here.
+    assert chains > 0.45 * keep
+    assert regions < 0.6 * chains
+
+
+def test_region_plans_run_by_name_only():
+    g = residual()
+    budget = int(keep_peak(g) * 0.45)
+    with pytest.raises(PlanError):  # Chains alone cannot.
+        make_plan(g, budget, "hybrid", allowed=RECOMPUTE_ONLY, cost=REPLAYS)
+    plan = make_plan(g, budget, "hybrid", allowed=RECOMPUTE_ONLY)
+    assert plan.fits and plan.segments == ()
+    # Each block's wide tensors are recomputed in some blocks, not only
+    # the chain inside it: a run of regions crosses the adds.
+    redone = {t for t, a in plan.actions.items() if a == "recompute"}
+    assert any(f"b{k}c2" in redone and f"out{k - 1}" in redone for k in range(1, 12))
+    # A plan that may swap replays segments on JAX (without jit): chains
+    # only, also where a run of regions would be faster (this link).
+    link = CostModel(d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10)
+    swapping = make_plan(g, int(keep_peak(g) * 0.7), "hybrid", cost=link)
+    assert swapping.counts()["recompute"] > 0
+    inner = {op for seg in swapping.segments for op in seg[:-1]}
+    for name, action in swapping.actions.items():
+        assert (action == "recompute") == (name in inner)
+
+
+def test_halves_of_a_run_cut_at_a_region_boundary():
+    g = residual(blocks=4, depth=2)
+    unit = region_units(g, COST)[1]
+    assert unit.segment == ("b1c0", "b1c1", "add1", "out1", "b2c0", "b2c1", "add2")
+    first, second = halves(g, COST, unit)
+    assert first.segment == ("b1c0", "b1c1", "add1")
+    assert second.segment == ("out1", "b2c0", "b2c1", "add2")
+    assert second.cuts == (0, 3)
+    # Cut at the add, not at the middle op inside the block (the half
+    # of one op, `out0`, frees nothing).
+    g = residual(blocks=2, depth=5)
+    unit = region_units(g, COST)[0]
+    assert unit.segment[-2:] == ("add0", "out0")
+    (half,) = halves(g, COST, unit)
+    assert half.segment == unit.segment[:-1]
