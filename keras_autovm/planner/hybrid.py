@@ -75,9 +75,11 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
     segments = [] if search.regions else sorted(
         (u.segment for u in search.units_of(search.best_chosen) if u.kind == "recompute"),
         key=lambda s: search.index[s[0]])
-    return _finish(graph, cost, budget, "hybrid", actions, prefetch,
+    plan = _finish(graph, cost, budget, "hybrid", actions, prefetch,
                    segments=segments,
                    uses=tuple(a for a in ("swap", "recompute") if a in allowed))
+    plan.region_runs = search.regions and "recompute" in actions.values()
+    return plan
 
 
 def _by_name(cost, allowed):

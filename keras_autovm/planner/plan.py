@@ -82,6 +82,10 @@ class Plan:
             before it runs (`Mechanism.checks_own_step`: JAX, by XLA's
             memory analysis); raised then unless that step fits. `None`
             otherwise. Defaults to `None`.
+        region_runs: whether the plan's recompute units are runs of regions
+            between cuts of the forward pass (`units.region_units`), which
+            the backend makes again by name (JAX under jit); such a plan
+            has no `segments`. Defaults to `False`.
     """
 
     graph: object
@@ -98,6 +102,7 @@ class Plan:
     memory_scale: float = 1.0
     unchanged: bool = False
     refused: object = None
+    region_runs: bool = False
 
     @property
     def fits(self):
@@ -190,6 +195,7 @@ class Plan:
             "fits": self.fits,
             "unchanged": self.unchanged,
             "refused": None if self.refused is None else str(self.refused),
+            "region_runs": self.region_runs,
             "calibrated": self.calibrated,
             "counts": self.counts(),
             "tensors": [
