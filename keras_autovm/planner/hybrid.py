@@ -67,7 +67,7 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
         if alone.best_fits() or \
                 alone.best[2].peak_bytes < search.best[2].peak_bytes:
             search = alone
-    if _by_name(cost, allowed):
+    if _by_name(graph, cost, allowed):
         regions = _search(graph, cost, budget, allowed, base, regions=True)
         if _ahead_of(regions.best, search.best, budget):
             search = regions
@@ -82,12 +82,16 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
     return plan
 
 
-def _by_name(cost, allowed):
+def _by_name(graph, cost, allowed):
     """Whether recompute units may be runs of regions: the backend makes
     again whatever is not kept (JAX under jit), instead of replaying chains
-    of layers, and the plan does not swap (on JAX a plan that swaps runs
-    without jit, replaying its segments)."""
-    return not cost.replay_segments and "recompute" in allowed and "swap" not in allowed
+    of layers, the plan does not swap (on JAX a plan that swaps runs
+    without jit, replaying its segments), and the graph branches (on a
+    chain, runs of regions are the chains' pieces; its plans keep their
+    layers' own checkpoints, `JaxMechanism.call_layer`)."""
+    branches = any(len(t.fwd_readers) > 1 for t in graph.tensors)
+    return (branches and not cost.replay_segments and "recompute" in allowed
+            and "swap" not in allowed)
 
 
 def _ahead_of(a, b, budget):

@@ -209,6 +209,19 @@ def test_region_plans_run_by_name_only():
         assert (action == "recompute") == (name in inner)
 
 
+def test_a_chain_is_never_planned_by_runs_of_regions():
+    # On a chain the runs are the chains' pieces; its plans keep the layers'
+    # own checkpoints on JAX (`JaxMechanism.call_layer`), as measured.
+    from keras_autovm.planner.hybrid import _by_name
+    assert _by_name(residual(), COST, RECOMPUTE_ONLY)
+    assert not _by_name(conv_chain(12), COST, RECOMPUTE_ONLY)
+    assert not _by_name(residual(), REPLAYS, RECOMPUTE_ONLY)
+    assert not _by_name(residual(), COST, ("keep", "swap", "recompute"))
+    g = conv_chain(12)
+    plan = make_plan(g, int(keep_peak(g) * 0.8), "hybrid", allowed=RECOMPUTE_ONLY)
+    assert plan.counts()["recompute"] > 0 and not plan.region_runs
+
+
 def test_halves_of_a_run_cut_at_a_region_boundary():
     g = residual(blocks=4, depth=2)
     unit = region_units(g, COST)[1]
