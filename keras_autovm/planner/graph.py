@@ -12,6 +12,7 @@ Conventions:
 """
 
 import dataclasses
+import functools
 
 ACTIONS = ("keep", "swap", "recompute")
 
@@ -110,12 +111,13 @@ class Graph:
     def __post_init__(self):
         _validate(self)
 
-    @property
+    # Made once per graph (it is frozen): the search asks thousands of times.
+    @functools.cached_property
     def op_index(self):
         """Maps op name to its position in forward order."""
         return {op.name: i for i, op in enumerate(self.ops)}
 
-    @property
+    @functools.cached_property
     def tensor_map(self):
         """Maps tensor name to its `TensorSpec`."""
         return {t.name: t for t in self.tensors}
