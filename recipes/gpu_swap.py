@@ -3,7 +3,8 @@ a cap, and throughput, on one Keras backend.
 
     python3 recipes/gpu_swap.py --backend torch --out results/gpu_swap_torch.json
 
-Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`):
+Parts (`--parts`), each for VGG-19 and ResNet-152 at 224x224 (`--models`;
+DenseNet121 too, for `batches`):
 
 - equivalence: a small CNN whose activations are over 1 MiB, trained with
   `AutoVM(policy="offload_all")` and without, deterministic kernels: are
@@ -94,7 +95,8 @@ def build(name, remat=False, jit_compile="auto"):
     import keras
     keras.utils.set_random_seed(0)
     make = {"vgg19": keras.applications.VGG19,
-            "resnet152": keras.applications.ResNet152}[name]
+            "resnet152": keras.applications.ResNet152,
+            "densenet121": keras.applications.DenseNet121}[name]
     if remat:
         with keras.RematScope(mode="full"):
             model = make(weights=None)
