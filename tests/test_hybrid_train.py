@@ -25,9 +25,9 @@ def branched_model():
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
 
 
-def train(callbacks=()):
+def train(callbacks=(), build=branched_model):
     keras.utils.set_random_seed(7)
-    model = branched_model()
+    model = build()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     x, y = data(32)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
@@ -111,15 +111,6 @@ def residual_model():
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
 
 
-def train_residual(callbacks=()):
-    keras.utils.set_random_seed(7)
-    model = residual_model()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    model.fit(*data(32), batch_size=8, epochs=2, shuffle=False,
-              callbacks=list(callbacks), verbose=0)
-    return model
-
-
 @pytest.mark.skipif(BACKEND != "jax", reason="runs of regions are made again by name under jit")
 def test_a_plan_recomputing_runs_of_regions_trains_the_same():
     model = residual_model()
@@ -129,10 +120,10 @@ def test_a_plan_recomputing_runs_of_regions_trains_the_same():
     # regions (crossing the adds) fits.
     callback = keras_autovm.AutoVM(budget=keep // 2, headroom=0, verbose=0,
                                    apply_without_gpu=True)
-    trained = train_residual([callback])
+    trained = train([callback], residual_model)
     plan = callback.report.plan
     assert plan.region_runs and plan.segments == ()
     redone = {t for t, a in plan.actions.items() if a == "recompute"}
     assert any(f"b{i}add" in redone and f"b{i}c1" in redone for i in range(4)), redone
-    for wa, wb in zip(train_residual().get_weights(), trained.get_weights()):
+    for wa, wb in zip(train(build=residual_model).get_weights(), trained.get_weights()):
         np.testing.assert_allclose(wa, wb, rtol=2e-5, atol=2e-6)

@@ -56,6 +56,31 @@ def memory_at(result, time):
     return used
 
 
+class _Builder:
+    """Ops added in forward order, each making one tensor of its name."""
+
+    def __init__(self, unary=False):
+        self.ops, self.tensors, self.readers, self.unary = [], {}, {}, unary
+
+    def add(self, name, inputs, nbytes, flops, bwd_reads_input=True):
+        extra = {"unary": len(inputs) == 1} if self.unary else {}
+        self.ops.append(OpSpec(name, tuple(inputs), (name,), flops=flops,
+                               mem_bytes=3 * nbytes, **extra))
+        self.tensors[name] = nbytes
+        for x in inputs:
+            fwd, bwd = self.readers.setdefault(x, ([], []))
+            fwd.append(name)
+            if bwd_reads_input:
+                bwd.append(name)
+
+    def graph(self, base, output):
+        specs = tuple(
+            TensorSpec(name, nbytes, name, tuple(self.readers.get(name, ([], []))[0]),
+                       tuple(self.readers.get(name, ([], []))[1]))
+            for name, nbytes in self.tensors.items())
+        return Graph(tuple(self.ops), specs, persistent_bytes=4 * base, outputs=(output,))
+
+
 def branched(cells=6, branches=3, depth=4, base=2**20):
     """Multi-branch cells, as Inception or NASNet build them.
 
@@ -65,35 +90,18 @@ def branched(cells=6, branches=3, depth=4, base=2**20):
     the branch ends (backward reads nothing). Returns a `Graph` whose
     model output is the last concatenation.
     """
-    ops, tensors, readers = [], {}, {}
-
-    def add(name, inputs, nbytes, flops, bwd_reads_input=True):
-        ops.append(OpSpec(name, tuple(inputs), (name,), flops=flops,
-                          mem_bytes=3 * nbytes))
-        tensors[name] = nbytes
-        for x in inputs:
-            fwd, bwd = readers.setdefault(x, ([], []))
-            fwd.append(name)
-            if bwd_reads_input:
-                bwd.append(name)
-
-    add("stem", (), 4 * base, 1e9)
+    g = _Builder()
+    g.add("stem", (), 4 * base, 1e9)
     prev = "stem"
     for c in range(cells):
-        ends = []
         for d in range(depth):
             for b in range(branches):
                 src = prev if d == 0 else f"c{c}b{b}d{d - 1}"
-                add(f"c{c}b{b}d{d}", (src,), 2 * base, 2e9)
+                g.add(f"c{c}b{b}d{d}", (src,), 2 * base, 2e9)
         ends = [f"c{c}b{b}d{depth - 1}" for b in range(branches)]
-        add(f"cat{c}", ends, 2 * base * branches, 0.0, bwd_reads_input=False)
+        g.add(f"cat{c}", ends, 2 * base * branches, 0.0, bwd_reads_input=False)
         prev = f"cat{c}"
-    specs = tuple(
-        TensorSpec(name, nbytes, name, tuple(readers.get(name, ([], []))[0]),
-                   tuple(readers.get(name, ([], []))[1]))
-        for name, nbytes in tensors.items())
-    return Graph(tuple(ops), specs, persistent_bytes=4 * base,
-                 outputs=(prev,))
+    return g.graph(base, prev)
 
 
 def residual(blocks=12, depth=3, base=2**20):
@@ -105,33 +113,17 @@ def residual(blocks=12, depth=3, base=2**20):
     and applies a ReLU-like `out{k}` (backward reads its input). A chain
     breaks at every add, so chains alone keep two tensors per block.
     """
-    ops, tensors, readers = [], {}, {}
-
-    def add(name, inputs, nbytes, flops, bwd_reads_input=True):
-        ops.append(OpSpec(name, tuple(inputs), (name,), flops=flops,
-                          mem_bytes=3 * nbytes, unary=len(inputs) == 1))
-        tensors[name] = nbytes
-        for x in inputs:
-            fwd, bwd = readers.setdefault(x, ([], []))
-            fwd.append(name)
-            if bwd_reads_input:
-                bwd.append(name)
-
-    add("out-1", (), 4 * base, 1e9)
+    g = _Builder(unary=True)
+    g.add("out-1", (), 4 * base, 1e9)
     for k in range(blocks):
         src = f"out{k - 1}"
         for d in range(depth):
             wide = d == depth - 1
-            add(f"b{k}c{d}", (src,), (4 if wide else 1) * base, 2e9)
+            g.add(f"b{k}c{d}", (src,), (4 if wide else 1) * base, 2e9)
             src = f"b{k}c{d}"
-        add(f"add{k}", (f"out{k - 1}", src), 4 * base, 0.0, bwd_reads_input=False)
-        add(f"out{k}", (f"add{k}",), 4 * base, 0.0)
-    specs = tuple(
-        TensorSpec(name, nbytes, name, tuple(readers.get(name, ([], []))[0]),
-                   tuple(readers.get(name, ([], []))[1]))
-        for name, nbytes in tensors.items())
-    return Graph(tuple(ops), specs, persistent_bytes=4 * base,
-                 outputs=(f"out{blocks - 1}",))
+        g.add(f"add{k}", (f"out{k - 1}", src), 4 * base, 0.0, bwd_reads_input=False)
+        g.add(f"out{k}", (f"add{k}",), 4 * base, 0.0)
+    return g.graph(base, f"out{blocks - 1}")
 
 
 def best_time(fn, repeats=3):
