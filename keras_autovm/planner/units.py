@@ -162,9 +162,11 @@ def _piece_unit(graph, cost, piece, cuts=()):
         return None
     ops = {op.name: op for op in graph.ops if op.name in members}
     redone = {t.producer for t in inner}
+    # Summed in the piece's order: a set's order of names changes from run
+    # to run with Python's hash seed, and the sum's last bits with it.
     return Unit("recompute", tuple(t.name for t in inner),
                 sum(t.nbytes for t in inner), piece,
-                sum(cost.fwd_time(ops[name]) for name in redone),
+                sum(cost.fwd_time(ops[name]) for name in piece if name in redone),
                 cuts if len(cuts) > 1 else ())
 
 

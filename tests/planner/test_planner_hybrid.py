@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from keras_autovm.planner import CostModel
@@ -237,3 +241,31 @@ def test_halves_of_a_run_cut_at_a_region_boundary():
     assert unit.segment[-2:] == ("add0", "out0")
     (half,) = halves(g, COST, unit)
     assert half.segment == unit.segment[:-1]
+
+
+_SEEDED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from keras_autovm.planner import CostModel
+from keras_autovm.planner import make_plan
+from keras_autovm.planner.units import recompute_units
+from planner_graphs import chain
+# Forward times whose sums change in their last bits with their order.
+g = chain([2**20] * 100, fwd_times=[1 / (3 + (7 * i) % 11) for i in range(100)])
+print([u.estimate.hex() for u in recompute_units(g, CostModel())])
+print(sorted(make_plan(g, 2**20 * 40, "hybrid", CostModel()).actions.items()))
+"""
+
+
+def test_plans_do_not_depend_on_the_hash_seed():
+    # Python orders a set of names by their hashes, which change from run
+    # to run (PYTHONHASHSEED); the same model must get the same plan.
+    here = os.path.dirname(os.path.abspath(__file__))
+    outs = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, KERAS_BACKEND="jax")
+        run = subprocess.run([sys.executable, "-c", _SEEDED, here], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.add(run.stdout)
+    assert len(outs) == 1
