@@ -178,10 +178,11 @@ def _run(ix, graph, sched, actions, issue, cost):
         for p in sched.uses[name]:
             gate.setdefault(p, []).append(name)
     starts, ends, d2h, h2d, stalls = [], [], {}, {}, {}
+    outstanding = _Outstanding()
     now = d2h_free = h2d_free = waited = 0.0
     for pos, (phase, i) in enumerate(sched.items):
         if phase == "fwd" and cost.max_in_flight_bytes is not None:
-            ready = _in_flight_ready(now, d2h, ix.nbytes, cost.max_in_flight_bytes)
+            ready = outstanding.ready(now, cost.max_in_flight_bytes)
             waited += ready - now
             now = ready
         for name in issue_at.get(pos, ()):
@@ -199,20 +200,37 @@ def _run(ix, graph, sched, actions, issue, cost):
                 begin = max(now, d2h_free)
                 d2h_free = begin + cost.copy_time(ix.nbytes[name], "d2h")
                 d2h[name] = (begin, d2h_free)
+                outstanding.add(d2h_free, ix.nbytes[name])
     end = max(now, d2h_free, h2d_free)
     return _Streams(starts, ends, d2h, h2d, stalls, end, waited)
 
 
-def _in_flight_ready(now, d2h, nbytes, limit):
-    """When the copies to host outstanding at `now` are within `limit`."""
-    pending = sorted((end, nbytes[name]) for name, (_, end) in d2h.items() if end > now)
-    outstanding = sum(n for _, n in pending)
-    for end, n in pending:
-        if outstanding <= limit:
-            break
-        outstanding -= n
-        now = end
-    return now
+class _Outstanding:
+    """The copies to host not yet done, in the order they end.
+
+    One stream runs them in turn, so each ends no earlier than the one
+    before: the outstanding ones at any time are the last ones enqueued,
+    and a running sum replaces a sort of every copy at each forward op.
+    """
+
+    def __init__(self):
+        self.copies = collections.deque()
+        self.bytes = 0
+
+    def add(self, end, nbytes):
+        self.copies.append((end, nbytes))
+        self.bytes += nbytes
+
+    def ready(self, now, limit):
+        """When the copies outstanding at `now` are within `limit`."""
+        copies = self.copies
+        while copies and copies[0][0] <= now:
+            self.bytes -= copies.popleft()[1]
+        # Waiting for a copy retires it; the time only moves forward.
+        while copies and self.bytes > limit:
+            now, nbytes = copies.popleft()
+            self.bytes -= nbytes
+        return now
 
 
 def _wait(now, names, h2d, stalls):
