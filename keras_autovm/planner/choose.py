@@ -137,18 +137,19 @@ def _least(graph, cost, budget, allowed, names, lowest):
     fits: the minimum a `PlanError` states is then refused one byte lower."""
     while lowest.result.peak_bytes - 1 > budget:
         below = lowest.result.peak_bytes - 1
-        fitting = [p for p in (_run(n, graph, cost, below, allowed) for n in names)
-                   if p.fits]
+        plans = (_run(n, graph, cost, below, allowed, least=True) for n in names)
+        fitting = [p for p in plans if p.fits]
         if not fitting:
             break
         lowest = min(fitting, key=lambda p: p.result.peak_bytes)
     return lowest
 
 
-def _run(name, graph, cost, budget, allowed):
-    """Runs one policy; adaptive ones get the allowed actions."""
+def _run(name, graph, cost, budget, allowed, least=False):
+    """Runs one policy; adaptive ones get the allowed actions (and, with
+    `least`, seek the lowest peak rather than the fastest step)."""
     if name in ADAPTIVE:
-        return POLICIES[name](graph, cost, budget, allowed)
+        return POLICIES[name](graph, cost, budget, allowed, least=least)
     return POLICIES[name](graph, cost, budget)
 
 

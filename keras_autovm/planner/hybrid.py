@@ -34,7 +34,7 @@ MAX_TRIES = 80
 PREFETCH_SLACK = 2.0
 
 
-def hybrid(graph, cost, budget, allowed=ACTIONS):
+def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
     """Keeps, swaps and recomputes per tensor for the fastest simulated step.
 
     Uses only the actions in `allowed`. Model outputs and tensors saved
@@ -51,25 +51,32 @@ def hybrid(graph, cost, budget, allowed=ACTIONS):
             host, as the backend does.
         budget: bytes, or `None`.
         allowed: the actions the backend can carry out. Defaults to all.
+        least: whether to seek the lowest peak instead: no local search
+            for speed, and the plan of the lowest peak seen is returned
+            (how `auto` finds the least budget a `PlanError` states).
+            Defaults to `False`.
 
     Returns:
-        A `Plan`: the fastest fitting one found, or, if none fits, the one
-        with the lowest peak.
+        A `Plan`: the fastest fitting one found, or, if none fits (or with
+        `least`), the one with the lowest peak.
     """
     base = simulate(graph, {}, None, cost)
     if budget is None or base.peak_bytes <= budget:
         return _finish(graph, cost, budget, "hybrid", {})
-    search = _search(graph, cost, budget, allowed, base)
+    better = _lower if least else _ahead_of
+    search = _search(graph, cost, budget, allowed, base, least=least)
     if not search.best_fits() and {"swap", "recompute"} <= set(allowed):
         # Swaps whose copies lag free nothing in time; without them the
         # greedy may split recompute units further.
-        alone = _search(graph, cost, budget, ("keep", "recompute"), base)
+        alone = _search(graph, cost, budget, ("keep", "recompute"), base,
+                        least=least)
         if alone.best_fits() or \
                 alone.best[2].peak_bytes < search.best[2].peak_bytes:
             search = alone
     if _by_name(graph, cost, allowed):
-        regions = _search(graph, cost, budget, allowed, base, regions=True)
-        if _ahead_of(regions.best, search.best, budget):
+        regions = _search(graph, cost, budget, allowed, base, regions=True,
+                          least=least)
+        if better(regions.best, search.best, budget):
             search = regions
     actions, prefetch, _ = search.best
     segments = [] if search.regions else sorted(
@@ -106,12 +113,18 @@ def _ahead_of(a, b, budget):
     return a[2].peak_bytes < b[2].peak_bytes
 
 
-def _search(graph, cost, budget, allowed, base, regions=False):
-    search = _Search(graph, cost, budget, allowed, base, regions)
+def _lower(a, b, budget):
+    """Whether `a` has a lower peak than `b` (then fewer actions)."""
+    return (a[2].peak_bytes, len(a[0])) < (b[2].peak_bytes, len(b[0]))
+
+
+def _search(graph, cost, budget, allowed, base, regions=False, least=False):
+    search = _Search(graph, cost, budget, allowed, base, regions,
+                     _lower if least else _ahead_of)
     search.greedy()
     if not search.best_fits():
         search.frugal()
-    if search.best_fits():
+    if search.best_fits() and not least:
         search.improve()
     return search
 
@@ -119,8 +132,11 @@ def _search(graph, cost, budget, allowed, base, regions=False):
 class _Search:
     """The chosen units, prefetch distances, and the best plan seen."""
 
-    def __init__(self, graph, cost, budget, allowed, base, regions=False):
+    def __init__(self, graph, cost, budget, allowed, base, regions=False,
+                 better=None):
         self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
+        # How a simulated choice beats the best so far (`_ahead_of`).
+        self.better = better or _ahead_of
         self.index = graph.op_index
         self.regions = regions
         self.units = []
@@ -170,7 +186,7 @@ class _Search:
                 k = ahead.setdefault(t, self._initial_ahead(t, first[t]))
                 prefetch[t] = self.graph.ops[min(first[t] + k, last)].name
         result = simulate(self.graph, actions, prefetch, self.cost)
-        if self.best is None or _ahead_of((actions, prefetch, result), self.best, self.budget):
+        if self.best is None or self.better((actions, prefetch, result), self.best, self.budget):
             self.best = (actions, prefetch, result)
             self.best_chosen = set(chosen)
         return result

@@ -10,7 +10,9 @@ from keras_autovm.planner import PlanError
 from keras_autovm.planner import TensorSpec
 from keras_autovm.planner import make_plan
 from keras_autovm.planner import simulate
+from keras_autovm.planner import hybrid as hybrid_module
 from keras_autovm.planner.choose import CANDIDATES
+from keras_autovm.planner.hybrid import hybrid
 from keras_autovm.planner.units import cuts
 from keras_autovm.planner.units import dataflow_chains
 from keras_autovm.planner.units import halves
@@ -241,6 +243,29 @@ def test_halves_of_a_run_cut_at_a_region_boundary():
     assert unit.segment[-2:] == ("add0", "out0")
     (half,) = halves(g, COST, unit)
     assert half.segment == unit.segment[:-1]
+
+
+def test_least_seeks_the_lowest_peak_not_the_fastest_step():
+    g = branched()
+    budget = int(keep_peak(g) * 0.7)
+    fastest = hybrid(g, COST, budget)
+    lowest = hybrid(g, COST, budget, least=True)
+    assert fastest.fits and lowest.fits
+    assert lowest.result.peak_bytes < fastest.result.peak_bytes
+    assert fastest.result.step_time <= lowest.result.step_time
+
+
+def test_a_refusal_runs_no_search_for_speed(monkeypatch):
+    # Stating the least budget steps the budget down until nothing fits;
+    # a local search for speed at each step made refusals take seconds.
+    def improve(self):
+        raise AssertionError("searched for speed while stating the least budget")
+
+    monkeypatch.setattr(hybrid_module._Search, "improve", improve)
+    g = branched(branches=4, depth=6)
+    with pytest.raises(PlanError) as info:
+        make_plan(g, int(keep_peak(g) * 0.1), allowed=RECOMPUTE_ONLY)
+    assert info.value.min_budget < keep_peak(g)
 
 
 _SEEDED = """
