@@ -253,20 +253,23 @@ def _memory_events(ix, graph, sched, st, actions, hold_outputs=False):
     """
     events = []
     starts, ends = st.starts, st.ends
+    # Bytes born and dying at each point, for the measured workspaces only.
+    overlap = any(op.workspace_bytes for op in graph.ops)
     born_at, dies_at = collections.Counter(), collections.Counter()
 
     def span(key, nbytes, born, dies):
         if nbytes:
             events.append((born[0], born[1], nbytes, key))
             events.append((dies[0], dies[1], -nbytes, key))
-            born_at[born] += nbytes
-            dies_at[dies] += nbytes
+            if overlap:
+                born_at[born] += nbytes
+                dies_at[dies] += nbytes
 
-    def start(pos):
-        return (starts[pos], 3 * pos + 1)
-
-    def end(pos):
-        return (ends[pos], 3 * pos + 2)
+    # Each item's start and end as `(time, rank)`, made once: the spans
+    # below ask for them hundreds of thousands of times in a search.
+    start_of = [(t, 3 * pos + 1) for pos, t in enumerate(starts)]
+    end_of = [(t, 3 * pos + 2) for pos, t in enumerate(ends)]
+    start, end = start_of.__getitem__, end_of.__getitem__
 
     def at(time):
         # Copy-stream events fall just before the next compute item starts.
