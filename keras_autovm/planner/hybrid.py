@@ -41,9 +41,9 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
     inside their producer are never swapped; recomputation replays pieces
     of dataflow chains (`units.dataflow_chains`), which become the plan's
     segments. Where the backend recomputes by name and does not swap
-    (`_by_name`), runs of regions between cuts are tried too
-    (`units.region_units`), and the better plan is kept; such a plan has no
-    segments. With no budget, or if everything fits, nothing changes.
+    (`_by_name`), runs of regions between cuts are tried too, of equal
+    counts of regions and of equal bytes (`units.region_units`), and the
+    best plan is kept; such a plan has no segments. With no budget, or if everything fits, nothing changes.
 
     Args:
         graph: a `Graph`.
@@ -73,11 +73,10 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
         if alone.best_fits() or \
                 alone.best[2].peak_bytes < search.best[2].peak_bytes:
             search = alone
-    if _by_name(graph, cost, allowed):
-        regions = _search(graph, cost, budget, allowed, base, regions=True,
-                          least=least)
-        if better(regions.best, search.best, budget):
-            search = regions
+    for regions in ("counts", "bytes") if _by_name(graph, cost, allowed) else ():
+        runs = _search(graph, cost, budget, allowed, base, regions, least)
+        if better(runs.best, search.best, budget):
+            search = runs
     actions, prefetch, _ = search.best
     segments = [] if search.regions else sorted(
         (u.segment for u in search.units_of(search.best_chosen) if u.kind == "recompute"),
@@ -85,7 +84,7 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
     plan = _finish(graph, cost, budget, "hybrid", actions, prefetch,
                    segments=segments,
                    uses=tuple(a for a in ("swap", "recompute") if a in allowed))
-    plan.region_runs = search.regions and "recompute" in actions.values()
+    plan.region_runs = bool(search.regions) and "recompute" in actions.values()
     return plan
 
 
@@ -118,7 +117,7 @@ def _lower(a, b, budget):
     return (a[2].peak_bytes, len(a[0])) < (b[2].peak_bytes, len(b[0]))
 
 
-def _search(graph, cost, budget, allowed, base, regions=False, least=False):
+def _search(graph, cost, budget, allowed, base, regions=None, least=False):
     search = _Search(graph, cost, budget, allowed, base, regions,
                      _lower if least else _ahead_of)
     search.greedy()
@@ -130,9 +129,13 @@ def _search(graph, cost, budget, allowed, base, regions=False, least=False):
 
 
 class _Search:
-    """The chosen units, prefetch distances, and the best plan seen."""
+    """The chosen units, prefetch distances, and the best plan seen.
 
-    def __init__(self, graph, cost, budget, allowed, base, regions=False,
+    `regions` is `None` for recompute units that are pieces of chains, or
+    how runs of regions are cut (`"counts"`, `"bytes"`: `region_units`).
+    """
+
+    def __init__(self, graph, cost, budget, allowed, base, regions=None,
                  better=None):
         self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
         # How a simulated choice beats the best so far (`_ahead_of`).
@@ -142,9 +145,10 @@ class _Search:
         self.units = []
         if "swap" in allowed:
             self.units += swap_units(graph, cost, base)
-        if "recompute" in allowed:
-            units = region_units if regions else recompute_units
-            self.units += units(graph, cost)
+        if "recompute" in allowed and regions:
+            self.units += region_units(graph, cost, by_bytes=regions == "bytes")
+        elif "recompute" in allowed:
+            self.units += recompute_units(graph, cost)
         self.swap_of, self.redo_of = {}, {}
         for k, u in enumerate(self.units):
             target = self.swap_of if u.kind == "swap" else self.redo_of

@@ -198,14 +198,22 @@ def cuts(graph):
     return found
 
 
-def region_units(graph, cost):
-    """Runs of about sqrt(R) of the graph's R regions (the ops between two
-    `cuts`), for a backend that recomputes by name: recomputing a run's
-    tensors, all but the one it ends with, needs only the one before it.
+def region_units(graph, cost, by_bytes=False):
+    """Runs of the graph's R regions (the ops between two `cuts`), for a
+    backend that recomputes by name: recomputing a run's tensors, all but
+    the one it ends with, needs only the one before it.
+
+    By default, about sqrt(R) runs of equal counts of regions. With
+    `by_bytes`, a quarter more runs, of about equal bytes: a ResNet's first
+    regions hold 4x the bytes of its last, and the least peak is bounded by
+    the largest run made again at once (ResNet-152 at batch 64 on JAX: 3.59
+    GiB by counts, 3.16 GiB by bytes; at a looser budget counts can be the
+    faster plan, so the hybrid policy tries both).
 
     Args:
         graph: a `Graph`.
         cost: a `CostModel`, for each unit's recompute time.
+        by_bytes: whether runs hold equal bytes. Defaults to `False`.
 
     Returns:
         List of `Unit`s of kind `"recompute"` that free some bytes.
@@ -214,16 +222,39 @@ def region_units(graph, cost):
     if bounds[-1] != len(graph.ops) - 1:  # The ops after the last cut.
         bounds.append(len(graph.ops) - 1)
     regions = [range(a + 1, b + 1) for a, b in zip(bounds, bounds[1:])]
-    count = math.ceil(len(regions) / max(2, round(math.sqrt(len(regions)))))
+    count = len(regions) / max(2, round(math.sqrt(len(regions))))
+    if by_bytes:
+        runs = _runs_by_bytes(graph, regions, math.ceil(1.25 * count))
+    else:
+        count = math.ceil(count)
+        runs = [regions[j * len(regions) // count:(j + 1) * len(regions) // count]
+                for j in range(count)]
     units = []
-    for j in range(count):
-        run = regions[j * len(regions) // count:(j + 1) * len(regions) // count]
+    for run in runs:
         start = run[0][0]
         piece = tuple(graph.ops[i].name for r in run for i in r)
         unit = _piece_unit(graph, cost, piece, tuple(r[-1] - start for r in run))
         if unit is not None:
             units.append(unit)
     return units
+
+
+def _runs_by_bytes(graph, regions, count):
+    """`regions` in order, cut into about `count` runs of equal bytes: a run
+    ends where the next region's middle would pass its share."""
+    made = [0] * len(graph.ops)
+    index = graph.op_index
+    for t in graph.tensors:
+        made[index[t.producer]] += t.nbytes
+    sizes = [sum(made[i] for i in r) for r in regions]
+    share = sum(sizes) / count
+    runs, done = [[]], 0
+    for region, size in zip(regions, sizes):
+        if runs[-1] and done + size / 2 > share * len(runs):
+            runs.append([])
+        runs[-1].append(region)
+        done += size
+    return runs
 
 
 def swap_units(graph, cost, base):

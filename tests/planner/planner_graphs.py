@@ -104,7 +104,7 @@ def branched(cells=6, branches=3, depth=4, base=2**20):
     return g.graph(base, prev)
 
 
-def residual(blocks=12, depth=3, base=2**20):
+def residual(blocks=12, depth=3, base=2**20, scales=None):
     """Residual blocks, as a ResNet builds them.
 
     Block k reads the previous block's output `out{k-1}` with a chain of
@@ -112,17 +112,20 @@ def residual(blocks=12, depth=3, base=2**20):
     adds the chain's end to that output (`add{k}`, backward reads nothing)
     and applies a ReLU-like `out{k}` (backward reads its input). A chain
     breaks at every add, so chains alone keep two tensors per block.
+    `scales[k]`, if given, multiplies block k's sizes (a ResNet's stages
+    shrink as they go).
     """
     g = _Builder(unary=True)
-    g.add("out-1", (), 4 * base, 1e9)
+    scales = scales or [1] * blocks
+    g.add("out-1", (), 4 * base * scales[0], 1e9)
     for k in range(blocks):
-        src = f"out{k - 1}"
+        src, size = f"out{k - 1}", base * scales[k]
         for d in range(depth):
             wide = d == depth - 1
-            g.add(f"b{k}c{d}", (src,), (4 if wide else 1) * base, 2e9)
+            g.add(f"b{k}c{d}", (src,), (4 if wide else 1) * size, 2e9)
             src = f"b{k}c{d}"
-        g.add(f"add{k}", (f"out{k - 1}", src), 4 * base, 0.0, bwd_reads_input=False)
-        g.add(f"out{k}", (f"add{k}",), 4 * base, 0.0)
+        g.add(f"add{k}", (f"out{k - 1}", src), 4 * size, 0.0, bwd_reads_input=False)
+        g.add(f"out{k}", (f"add{k}",), 4 * size, 0.0)
     return g.graph(base, f"out{blocks - 1}")
 
 
