@@ -43,7 +43,8 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
     segments. Where the backend recomputes by name and does not swap
     (`_by_name`), runs of regions between cuts are tried too, of equal
     counts of regions and of equal bytes (`units.region_units`), and the
-    best plan is kept; such a plan has no segments. With no budget, or if everything fits, nothing changes.
+    best plan is kept; such a plan has no segments. With no budget, or if
+    everything fits, nothing changes.
 
     Args:
         graph: a `Graph`.
