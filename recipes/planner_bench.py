@@ -7,7 +7,7 @@ of the keep-all peak, each the best of `--repeats` runs. Writes JSON with
 the machine it ran on.
 
     KERAS_BACKEND=tensorflow python recipes/planner_bench.py \\
-        --out results/planner/planner_bench.json
+        --out results/planner/planner_bench_tensorflow.json
 """
 
 import argparse
