@@ -30,8 +30,9 @@ def auto(graph, cost, budget, allowed=ACTIONS):
         The fitting `Plan` with the lowest predicted step time.
 
     Raises:
-        PlanError: if no candidate fits; `min_budget` is the lowest peak
-            any candidate reaches.
+        PlanError: if no candidate fits; `min_budget` is the least limit
+            planning is seen to fit: the lowest peak any candidate reaches,
+            or just above it (`_least`).
     """
     if budget is None:
         return keep_all(graph, cost, budget)
@@ -39,13 +40,13 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     plans = [_run(n, graph, cost, budget, allowed) for n in names]
     fitting = [p for p in plans if p.fits]
     if not fitting:
-        lowest = _least(graph, cost, budget, allowed, names,
-                        min(plans, key=lambda p: p.result.peak_bytes))
+        least, lowest = _least(graph, cost, budget, allowed, names,
+                               min(plans, key=lambda p: p.result.peak_bytes))
         raise PlanError(
             f"No plan fits the limit of {format_bytes(budget)} with actions "
             f"{tuple(allowed)}: the lowest predicted peak is "
             f"{format_bytes(lowest.result.peak_bytes)} ({lowest.policy}).",
-            lowest.result.peak_bytes,
+            least,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
     if len(fitting) == 1:
@@ -129,20 +130,38 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
 
 
 def _least(graph, cost, budget, allowed, names, lowest):
-    """The lowest-peak plan of the candidates `names`, from `lowest`, the
-    lowest they reached under `budget`. Searches that stop once they fit
-    can reach a lower peak from a budget just under the lowest seen than
-    from a far smaller one (a greedy path depends on its start), so the
-    budget steps down to just under each new lowest until no candidate
-    fits: the minimum a `PlanError` states is then refused one byte lower."""
+    """`(least limit, lowest-peak plan)` of the candidates `names`, from
+    `lowest`, the lowest they reached under `budget`. Searches that stop
+    once they fit can reach a lower peak from a budget just under the
+    lowest seen than from a far smaller one (a greedy path depends on its
+    start), so the budget steps down to just under each new lowest until no
+    candidate fits. The least limit is then the lowest peak, checked by
+    planning with it as the limit (`_checked`), so that a `PlanError`
+    states a budget that plans."""
+    found_at = None  # A limit the lowest-peak plan was planned under.
     while lowest.result.peak_bytes - 1 > budget:
         below = lowest.result.peak_bytes - 1
         plans = (_run(n, graph, cost, below, allowed, least=True) for n in names)
         fitting = [p for p in plans if p.fits]
         if not fitting:
             break
-        lowest = min(fitting, key=lambda p: p.result.peak_bytes)
-    return lowest
+        lowest, found_at = min(fitting, key=lambda p: p.result.peak_bytes), below
+    return _checked(graph, cost, allowed, names, lowest.result.peak_bytes,
+                    found_at), lowest
+
+
+def _checked(graph, cost, allowed, names, limit, known=None):
+    """The least limit from `limit` up that some candidate plans for, or
+    `known` (one that did) if that comes first. A plan found under one
+    limit may not be found with its own peak as the limit, since the
+    greedy's path depends on the limit; each failed try raises the limit to
+    the lowest peak it reached, up to keeping everything, which fits."""
+    while known is None or limit < known:
+        plans = [_run(n, graph, cost, limit, allowed, least=True) for n in names]
+        if any(p.fits for p in plans):
+            return limit
+        limit = min(p.result.peak_bytes for p in plans)
+    return known
 
 
 def _run(name, graph, cost, budget, allowed, least=False):
