@@ -86,6 +86,8 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
                    segments=segments,
                    uses=tuple(a for a in ("swap", "recompute") if a in allowed))
     plan.region_runs = bool(search.regions) and "recompute" in actions.values()
+    if plan.region_runs:
+        plan.notes.append(f"hybrid recomputes runs of regions cut by {search.regions}.")
     return plan
 
 
