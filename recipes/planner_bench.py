@@ -63,13 +63,13 @@ def bench_model(name, batch, repeats):
         for policy in POLICIES:
             for frac in FRACTIONS:
                 budget = None if frac is None else int(keep * frac)
-                times, plan = [], None
+                times, plan, least = [], None, None
                 for _ in range(repeats):
                     start = time.perf_counter()
                     try:
                         plan = planner.make_plan(graph, budget, policy, cost, allowed)
-                    except planner.PlanError:
-                        plan = None
+                    except planner.PlanError as error:  # A refusal is timed too.
+                        plan, least = None, error.min_budget
                     times.append(time.perf_counter() - start)
                 rows.append({
                     "policy": policy, "allowed": list(allowed),
@@ -78,7 +78,8 @@ def bench_model(name, batch, repeats):
                     "fits": plan is not None,
                     "chosen": plan.policy if plan else None,
                     "predicted_step_s": plan.result.step_time if plan else None,
-                    "predicted_peak_bytes": plan.result.peak_bytes if plan else None})
+                    "predicted_peak_bytes": plan.result.peak_bytes if plan else None,
+                    "least_budget_bytes": least})
                 print(f"{name} b{batch} {policy:6} {''.join(a[0] for a in allowed):3} "
                       f"budget {frac}: {min(times):.3f} s "
                       f"({rows[-1]['chosen']})", flush=True)
