@@ -222,6 +222,8 @@ def region_units(graph, cost, by_bytes=False):
     if bounds[-1] != len(graph.ops) - 1:  # The ops after the last cut.
         bounds.append(len(graph.ops) - 1)
     regions = [range(a + 1, b + 1) for a, b in zip(bounds, bounds[1:])]
+    if not regions:  # A graph without ops.
+        return []
     count = len(regions) / max(2, round(math.sqrt(len(regions))))
     if by_bytes:
         runs = _runs_by_bytes(graph, regions, math.ceil(1.25 * count))

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from keras_autovm.planner import CostModel
+from keras_autovm.planner import Graph
 from keras_autovm.planner import POLICIES
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import TensorSpec
@@ -260,6 +261,8 @@ def test_runs_by_bytes_hold_about_equal_bytes():
     # Every region in exactly one run, in order.
     ops = [op for u in by_bytes for op in u.segment]
     assert ops == [op.name for op in g.ops]
+    empty = Graph((), ())
+    assert region_units(empty, COST) == region_units(empty, COST, by_bytes=True) == []
 
 
 def test_the_hybrid_tries_runs_of_both_kinds(monkeypatch):
