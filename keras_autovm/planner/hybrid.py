@@ -64,7 +64,6 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
     base = simulate(graph, {}, None, cost)
     if budget is None or base.peak_bytes <= budget:
         return _finish(graph, cost, budget, "hybrid", {})
-    better = _lower if least else _ahead_of
     search = _search(graph, cost, budget, allowed, base, least=least)
     if not search.best_fits() and {"swap", "recompute"} <= set(allowed):
         # Swaps whose copies lag free nothing in time; without them the
@@ -76,7 +75,7 @@ def hybrid(graph, cost, budget, allowed=ACTIONS, least=False):
             search = alone
     for regions in ("counts", "bytes") if _by_name(graph, cost, allowed) else ():
         runs = _search(graph, cost, budget, allowed, base, regions, least)
-        if better(runs.best, search.best, budget):
+        if search.better(runs.best, search.best, budget):
             search = runs
     actions, prefetch, _ = search.best
     segments = [] if search.regions else sorted(
