@@ -4,11 +4,13 @@
 the device and backend in use, from the on-disk cache when this device,
 backend, architecture and batch size were measured before, else measured now
 (`measure`) and cached. Measuring runs the model's forward pass once on zeros
-of the input shapes, layer call by layer call; at each call it has the
-backend's mechanism time that call's forward and backward a few times
-(`Mechanism.time_call`), once per distinct call (class, settings, shapes:
-`profile_cache.call_key`). Nothing changes: the pass runs under a
-`keras.StatelessScope`, and the timed calls through `stateless_call`.
+of the input shapes, layer call by layer call, and gives each distinct call
+(class, settings, shapes: `profile_cache.call_key`) to the backend's
+`Mechanism.call_timer`, which times its forward and backward a few times:
+at once on torch and TensorFlow, after the pass on JAX, whose pass runs on
+shapes alone and whose calls compile together (`mechanisms/jax/timing.py`).
+Nothing changes: the pass runs under a `keras.StatelessScope`, and the
+timed calls through `stateless_call`.
 Which profile a model has, and where it is cached, is `profile_cache.py`'s.
 
 A layer's recompute cost is its forward time: a replay runs the same call
@@ -242,40 +244,39 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0, time_at=No
     start = time.perf_counter()
     time_at = time_at or batch_size
     names = call_names(model)
-    bar = keras.utils.Progbar(len(names), unit_name="layer") if verbose else None
-    if bar is not None:
-        print("AutoVM: timing each layer's forward and backward pass")
+    # Identical calls (the repeated blocks of a ResNet) are timed once.
+    keys = [call_key(layer, node) for layer, node in layer_calls(model)]
+    bar = None
+    if verbose:
+        print("AutoVM: timing each layer's forward and backward pass, once per distinct call")
+        bar = keras.utils.Progbar(len(set(keys)), unit_name="call")
+    timer = mechanism.call_timer(repeats, bar.update if bar is not None else None)
     fn = internals.functional_of(model)
     inputs = [keras.ops.zeros((batch_size,) + tuple(x.shape[1:]), x.dtype)
               for x in fn.inputs]
-    # Identical calls (the repeated blocks of a ResNet) are timed once.
-    keys = [call_key(layer, node) for layer, node in layer_calls(model)]
-    found, timed = [], {}
+    found = []  # (name, key, output bytes) per call, in run order.
 
     def around(operation, run, args, kwargs):
         outputs = run()
         name, _ = names[len(found)]
         key = keys[len(found)]
-        if key not in timed:
-            timed[key] = mechanism.time_call(
-                operation, *at_batch((args, kwargs), time_at, batch_size), repeats)
-        fwd_s, bwd_s = timed[key]
+        if key not in timer:
+            timer.add(key, operation, *at_batch((args, kwargs), time_at, batch_size))
         size = sum(layer_facts.nbytes(x, time_at, name)
                    for x in keras.tree.flatten(outputs) if hasattr(x, "shape"))
-        found.append(LayerTime(name, fwd_s, bwd_s, int(size)))
-        if bar is not None:
-            bar.update(len(found))
+        found.append((name, key, int(size)))
         return outputs
 
     # Layer state the training-mode pass would update (batch-norm moving
     # statistics, seed generators) is read from, and written to, the scope.
     state = [(v, v.value) for v in model.non_trainable_variables]
     with keras.StatelessScope(state_mapping=state), mechanism.measuring():
-        internals.run_calls(model, inputs, around)
+        mechanism.measuring_pass(lambda xs: internals.run_calls(model, xs, around), inputs)
+    times = timer.results()
+    layers = tuple(LayerTime(name, *times[key], size) for name, key, size in found)
     link = calibration.measure_link(mechanism)
     return Profile(mechanism.device_name(), mechanism.backend, int(time_at),
-                   fingerprint(model), tuple(found), link,
-                   time.perf_counter() - start)
+                   fingerprint(model), layers, link, time.perf_counter() - start)
 
 
 def load(profile):

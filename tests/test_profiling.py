@@ -258,21 +258,61 @@ def test_times_from_a_smaller_batch_grow_by_their_batch_dependent_part():
         big.with_fixed_times(big)
 
 
-def test_identical_layer_calls_are_timed_once():
+def timed_calls(mechanism, monkeypatch):
+    """The `(operation, args)` of each call `mechanism`'s timers are given,
+    in order (the list fills as profiles are measured)."""
+    calls, real = [], mechanism.call_timer
+
+    def call_timer(repeats, progress=None):
+        timer = real(repeats, progress)
+        add = timer.add
+        timer.add = lambda key, operation, args, kwargs: (
+            calls.append((operation, args)), add(key, operation, args, kwargs))
+        return timer
+
+    monkeypatch.setattr(mechanism, "call_timer", call_timer)
+    return calls
+
+
+def test_identical_layer_calls_are_timed_once(monkeypatch):
     model = keras.Sequential([keras.Input((6,))] + [
         keras.layers.Dense(6, name=f"d{i}") for i in range(4)] + [keras.layers.Dense(2)])
     mechanism = mechanisms.get()
-    calls = []
-    original = mechanism.time_call
-
-    def counting(*args):
-        calls.append(args[0].name)
-        return original(*args)
-
-    mechanism.time_call = counting
+    calls = timed_calls(mechanism, monkeypatch)
     profile = profiling.measure(model, 4, mechanism, repeats=1)
+    calls = [operation.name for operation, _ in calls]
     assert len(calls) == 2 and calls[0] == "d0"  # d0..d3 alike, then the head.
     assert [t.fwd_s for t in profile.layers[:4]] == [profile.layers[0].fwd_s] * 4
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX times calls from their shapes")
+def test_jax_runs_no_layer_eagerly_and_compiles_on_threads(monkeypatch):
+    """Run eagerly, JAX compiles each operation of each call apart (most of
+    a profile's time); the pass runs on tracers, and the calls' programs
+    compile off the main thread."""
+    import threading
+
+    import jax
+
+    from keras_autovm.mechanisms.jax import timing
+    passes, threads = [], set()
+    real_run, real_compile = profiling.internals.run_calls, timing._Call.compile
+
+    def run_calls(model, inputs, around):
+        passes.append([isinstance(x, jax.core.Tracer) for x in inputs])
+        return real_run(model, inputs, around)
+
+    def compile(call):
+        threads.add(threading.current_thread() is threading.main_thread())
+        return real_compile(call)
+
+    monkeypatch.setattr(profiling.internals, "run_calls", run_calls)
+    monkeypatch.setattr(timing._Call, "compile", compile)
+    monkeypatch.setattr(timing, "THREADS", 2)
+    profile = profiling.measure(skip_model(), 4, mechanisms.get(), repeats=1)
+    assert passes == [[True]] and threads == {False}
+    assert all(t.fwd_s > 0 for t in profile.layers)
+    assert {t.name: t.bwd_s > 0 for t in profile.layers}["stem"]
 
 
 def test_link_takes_the_probe_medians_and_the_backend_copies(monkeypatch):
@@ -395,21 +435,17 @@ def test_calls_that_fit_at_the_training_batch_are_timed_there(cache, monkeypatch
     pass_batch, time_at = profile_batch.timing_batch_for(model, 64, roomy)
     assert pass_batch < 64 and time_at == 64
     mechanism = mechanisms.get()
-    shapes, passes = [], []
-    real_call, real_run = type(mechanism).time_call, profiling.internals.run_calls
-
-    def time_call(self, operation, args, kwargs, repeats):
-        shapes.append({tuple(x.shape)[0] for x in keras.tree.flatten(args)
-                       if hasattr(x, "shape")})
-        return real_call(self, operation, args, kwargs, repeats)
+    calls, passes = timed_calls(mechanism, monkeypatch), []
+    real_run = profiling.internals.run_calls
 
     def run_calls(model, inputs, around):
         passes.append(tuple(inputs[0].shape)[0])
         return real_run(model, inputs, around)
 
-    monkeypatch.setattr(type(mechanism), "time_call", time_call)
     monkeypatch.setattr(profiling.internals, "run_calls", run_calls)
     profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=roomy)
+    shapes = [{tuple(x.shape)[0] for x in keras.tree.flatten(args) if hasattr(x, "shape")}
+              for _, args in calls]
     assert measured and profile.batch_size == 64 and passes == [pass_batch]
     assert shapes and all(s == {64} for s in shapes)
     assert all(t.fwd_fixed_s == t.bwd_fixed_s == 0 for t in profile.layers)

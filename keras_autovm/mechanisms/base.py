@@ -177,10 +177,22 @@ class Mechanism:
             f"Timing layer calls is not implemented for the {self.backend!r} "
             "backend.")
 
+    def call_timer(self, repeats, progress=None):
+        """What times the profiling pass's distinct layer calls: a
+        `CallTimer`, which times each call as it is added (`time_call`),
+        so that only one call's inputs are held beyond the pass's own.
+        `progress(n)` is told how many calls are timed."""
+        return CallTimer(self.time_call, repeats, progress)
+
     def measuring(self):
         """A context for the measuring forward pass: it records nothing for
         a backward pass and leaves global random generators as they were."""
         return contextlib.nullcontext()
+
+    def measuring_pass(self, run, inputs):
+        """Runs the profiling pass, `run(inputs)`; the default runs it on
+        the arrays themselves."""
+        return run(inputs)
 
     def measure_link(self):
         """GB/s of this backend's own pinned copies to host (`pinned_d2h`),
@@ -256,6 +268,32 @@ class Mechanism:
         `function`, traced for the plan in force, unless the mechanism
         watches its steps (TensorFlow measures first steps)."""
         return function
+
+
+class CallTimer:
+    """Times distinct layer calls as the profiling pass adds them.
+
+    `add(key, operation, args, kwargs)` times one call with `time_call`
+    (`Mechanism.time_call`'s signature) unless `key` was timed;
+    `results()` maps each key to its `(forward_s, backward_s)`.
+    """
+
+    def __init__(self, time_call, repeats, progress=None):
+        self._time_call = time_call
+        self.repeats = repeats
+        self.progress = progress
+        self.times = {}
+
+    def __contains__(self, key):
+        return key in self.times
+
+    def add(self, key, operation, args, kwargs):
+        self.times[key] = self._time_call(operation, args, kwargs, self.repeats)
+        if self.progress is not None:
+            self.progress(len(self.times))
+
+    def results(self):
+        return dict(self.times)
 
 
 # A run whose warm-up takes this long is timed once: its time is well above

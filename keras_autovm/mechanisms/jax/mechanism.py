@@ -126,6 +126,13 @@ class JaxMechanism(Mechanism):
     def time_call(self, operation, args, kwargs, repeats):
         return timing.time_call(operation, args, kwargs, repeats)
 
+    def call_timer(self, repeats, progress=None):
+        # Calls are timed from their shapes, compiled together after the pass.
+        return timing.CompiledTimer(repeats, progress)
+
+    def measuring_pass(self, run, inputs):
+        return timing.abstract_pass(run, inputs)
+
     def _memory_stat(self, key):
         gpus = [d for d in jax.devices() if d.platform == "gpu"]
         return (gpus[0].memory_stats() or {}).get(key) if gpus else None
