@@ -42,6 +42,8 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per process")
     parser.add_argument("--out", default=os.path.join("results", "profiling", "profile_speed.json"))
+    parser.add_argument("--commit", help="this code's commit, as recorded (a copy of the "
+                        "tree on another machine may not say it)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -141,7 +143,7 @@ def write(args, runs):
         "versions": {"keras": runs[-1]["keras"], args.backend: runs[-1]["backend_version"]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python3", "recipes/profile_speed.py"] + sys.argv[1:]),
-        "commits": {"new": _commit(ROOT),
+        "commits": {"new": args.commit or _commit(ROOT),
                     "reference": _commit(args.reference) if args.reference else None},
         "runs": runs, "ratios": ratios}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

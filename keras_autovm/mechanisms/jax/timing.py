@@ -10,8 +10,9 @@ abstractly (`jax.eval_shape`), and no layer runs op by op. Run eagerly, JAX
 compiles every operation of every call apart: on this project's CPU that
 was most of a profile's time (ResNet50 at 64x64, batch 2: the eager pass
 and the eager `jax.vjp`s took 22 of its 40 s). XLA compiles without
-Python's lock, so the programs compile on a thread pool. Clocks stop after
-`block_until_ready`; only one call's arrays exist at a time.
+Python's lock, so while Python lowers one call the last one compiles, on
+a thread pool without a GPU. Clocks stop after `block_until_ready`; only
+one call's arrays exist at a time.
 """
 
 import concurrent.futures
@@ -25,8 +26,12 @@ from keras_autovm.mechanisms.base import call_values
 from keras_autovm.mechanisms.base import median_seconds
 from keras_autovm.mechanisms.base import variable_values
 
-# Programs compiled at once (on this project's 2-core CPU, 2 threads
-# compiled ResNet50's calls in 6.4 s, 1 thread in 8.7 s).
+# Programs compiled at once without a GPU: on this project's 2-core CPU, 2
+# threads compiled ResNet50's calls in 6.4 s, 1 thread in 8.7 s. On a GPU
+# one: XLA times candidate kernels on the device as it compiles, and
+# compiles side by side disturbed each other (ResNet-152 at batch 64 on an
+# H100: the whole profile took 56.6 s with 8 threads, 47.2 s with 4, 26.5
+# and 27.6 s with 1; docs/planner.md).
 THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -59,7 +64,8 @@ class CompiledTimer(CallTimer):
         self.calls[key] = _Call(operation, args, kwargs)
 
     def results(self):
-        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        on_gpu = any(d.platform == "gpu" for d in jax.devices())
+        with concurrent.futures.ThreadPoolExecutor(1 if on_gpu else THREADS) as pool:
             compiling = []
             for call in self.calls.values():
                 # Tracing runs Keras's Python, here; XLA compiles meanwhile.
