@@ -3,6 +3,7 @@ against a reference copy of it, side by side on one device.
 
     git worktree add /tmp/ref 22184ad && mkdir -p .ref \\
         && cp -r /tmp/ref/keras_autovm .ref/ && echo 22184ad > .ref/COMMIT
+    echo /.ref/ >> .git/info/exclude     # never committed; `carry` it to a GPU
     python recipes/profile_speed.py --backend jax --reference .ref \\
         --models resnet152 --batch-size 64 --out results/profiling/profile_speed_jax.json
 
@@ -98,7 +99,10 @@ def one(args, model, code, label):
     command = [sys.executable, os.path.abspath(__file__), "--child", code,
                "--backend", args.backend, "--models", model,
                "--batch-size", str(args.batch_size)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"{label} {model}: no profile within --timeout {args.timeout:g} s")
     if done.returncode != 0:
         sys.exit(f"{label} {model} failed:\n{done.stderr[-3000:]}")
     record = json.loads(done.stdout.strip().splitlines()[-1])

@@ -315,6 +315,21 @@ def test_jax_runs_no_layer_eagerly_and_compiles_on_threads(monkeypatch):
     assert {t.name: t.bwd_s > 0 for t in profile.layers}["stem"]
 
 
+def test_inputs_held_in_a_keras_list_are_timed_as_inputs():
+    """Inputs stored on a model before `super().__init__` become Keras's
+    `TrackedList`, which JAX's tree does not open (its tracers outlived
+    the pass: "compiled for 2 inputs but called with 0")."""
+    class Parts(keras.Model):
+        def __init__(self):
+            self.parts = [keras.Input((4,)), keras.Input((4,))]
+            joined = keras.layers.Concatenate(name="cat")(self.parts)
+            super().__init__(self.parts, keras.layers.Dense(2, name="head")(joined))
+
+    profile = profiling.measure(Parts(), 2, mechanisms.get(), repeats=1)
+    assert [t.name for t in profile.layers] == ["cat", "head"]
+    assert all(t.fwd_s > 0 for t in profile.layers)
+
+
 def test_link_takes_the_probe_medians_and_the_backend_copies(monkeypatch):
     from keras_autovm import calibration
     from keras_autovm.mechanisms.base import Mechanism

@@ -181,7 +181,7 @@ class Mechanism:
         """What times the profiling pass's distinct layer calls: a
         `CallTimer`, which times each call as it is added (`time_call`),
         so that only one call's inputs are held beyond the pass's own.
-        `progress(n)` is told how many calls are timed."""
+        `progress(n)` is told how many calls are done."""
         return CallTimer(self.time_call, repeats, progress)
 
     def measuring(self):
@@ -274,8 +274,9 @@ class CallTimer:
     """Times distinct layer calls as the profiling pass adds them.
 
     `add(key, operation, args, kwargs)` times one call with `time_call`
-    (`Mechanism.time_call`'s signature) unless `key` was timed;
-    `results()` maps each key to its `(forward_s, backward_s)`.
+    (`Mechanism.time_call`'s signature); the caller adds each `key` once
+    (`key in timer`). `results()` maps each key to its
+    `(forward_s, backward_s)`.
     """
 
     def __init__(self, time_call, repeats, progress=None):

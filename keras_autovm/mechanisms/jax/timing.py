@@ -4,8 +4,8 @@ pullback, compiled together before any is timed.
 The forward is the layer's `stateless_call`, compiled by `jax.jit` the way
 the training step compiles it; the backward is the pullback of `jax.vjp`
 (a pytree holding the forward's residuals), compiled on its own, so its time
-holds no forward. Both run on zeros of the shapes the call saw, residuals
-included, so a call is timed from its shapes alone: the profiling pass runs
+holds no forward. Both run on the layer's variables and on zeros of the
+shapes the call saw, residuals included, so a call is timed from its shapes: the profiling pass runs
 abstractly (`jax.eval_shape`), and no layer runs op by op. Run eagerly, JAX
 compiles every operation of every call apart: on this project's CPU,
 ResNet50 at 64x64, batch 2, profiled in 24.5 to 27.9 s with the pass and
@@ -20,6 +20,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import keras
 
 from keras_autovm.mechanisms.base import CallTimer
 from keras_autovm.mechanisms.base import call_values
@@ -49,10 +50,10 @@ def abstract_pass(run, inputs):
 
 
 class CompiledTimer(CallTimer):
-    """A `CallTimer` that keeps each call's shapes as it is added, and at
-    `results()` compiles every call's two programs (on `THREADS` threads
-    without a GPU, on one beside Python's lowering with one), then times
-    them one call at a time."""
+    """A `CallTimer` that keeps each call's shapes as it is added. Its
+    `results()` (once) lowers every call's two programs and compiles them
+    on worker threads, `THREADS` of them without a GPU and one with one,
+    then times them one call at a time. `progress` counts calls compiled."""
 
     def __init__(self, repeats, progress=None):
         super().__init__(None, repeats, progress)
@@ -66,7 +67,8 @@ class CompiledTimer(CallTimer):
 
     def results(self):
         on_gpu = any(d.platform == "gpu" for d in jax.devices())
-        with concurrent.futures.ThreadPoolExecutor(1 if on_gpu else THREADS) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(1 if on_gpu else THREADS)
+        try:
             compiling = []
             for call in self.calls.values():
                 # Tracing runs Keras's Python, here; XLA compiles meanwhile.
@@ -76,6 +78,8 @@ class CompiledTimer(CallTimer):
                 future.result()
                 if self.progress is not None:  # Compiling is most of the time.
                     self.progress(done + 1)
+        finally:  # An error (or Ctrl-C) does not wait for the queued compiles.
+            pool.shutdown(cancel_futures=True)
         for key, call in self.calls.items():
             self.times[key] = call.time(self.repeats)
         return dict(self.times)
@@ -87,7 +91,10 @@ class _Call:
 
     def __init__(self, operation, args, kwargs):
         self.operation = operation
-        leaves, self.tree = jax.tree.flatten((args, kwargs))
+        # Keras's tree, not JAX's: Keras's own containers (a `TrackedList` of
+        # inputs) are leaves to JAX, and their tracers would outlive the pass.
+        leaves = keras.tree.flatten((args, kwargs))
+        self.structure = keras.tree.pack_sequence_as((args, kwargs), [0] * len(leaves))
         self.leaves = [_spec(x) if _is_array(x) else x for x in leaves]
         # Differentiated for the float inputs only: integers have no gradient.
         self.floats = [i for i, x in enumerate(self.leaves) if _is_float(x)]
@@ -99,7 +106,7 @@ class _Call:
         full = list(self.leaves)
         for i, x in zip(self.floats + self.others, list(xs) + list(others)):
             full[i] = x
-        args, kwargs = jax.tree.unflatten(self.tree, full)
+        args, kwargs = keras.tree.pack_sequence_as(self.structure, full)
         return call_values(self.operation, tv, ntv, args, kwargs)
 
     def _arguments(self):
