@@ -127,8 +127,10 @@ class JaxMechanism(Mechanism):
         return timing.time_call(operation, args, kwargs, repeats)
 
     def call_timer(self, repeats, progress=None):
-        # Calls are timed from their shapes, compiled together after the pass.
-        return timing.CompiledTimer(repeats, progress)
+        # Calls are timed from their shapes, compiled together after the
+        # pass: one at a time on a GPU, where XLA times kernels as it compiles.
+        threads = 1 if self.gpu_available() else timing.THREADS
+        return timing.CompiledTimer(repeats, progress, threads)
 
     def measuring_pass(self, run, inputs):
         return timing.abstract_pass(run, inputs)

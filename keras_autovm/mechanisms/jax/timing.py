@@ -5,8 +5,9 @@ The forward is the layer's `stateless_call`, compiled by `jax.jit` the way
 the training step compiles it; the backward is the pullback of `jax.vjp`
 (a pytree holding the forward's residuals), compiled on its own, so its time
 holds no forward. Both run on the layer's variables and on zeros of the
-shapes the call saw, residuals included, so a call is timed from its shapes: the profiling pass runs
-abstractly (`jax.eval_shape`), and no layer runs op by op. Run eagerly, JAX
+shapes the call saw, residuals included, so a call is timed from its
+shapes: the profiling pass runs abstractly (`jax.eval_shape`), and no layer
+runs op by op. Run eagerly, JAX
 compiles every operation of every call apart: on this project's CPU,
 ResNet50 at 64x64, batch 2, profiled in 24.5 to 27.9 s with the pass and
 each `jax.vjp` run eagerly, in 11.2 to 14.0 s as here. XLA compiles without
@@ -26,6 +27,7 @@ from keras_autovm.mechanisms.base import CallTimer
 from keras_autovm.mechanisms.base import call_values
 from keras_autovm.mechanisms.base import median_seconds
 from keras_autovm.mechanisms.base import variable_values
+from keras_autovm.mechanisms.jax.calls import is_float
 
 # Programs compiled at once without a GPU: on this project's 2-core CPU, 2
 # threads compiled ResNet50's calls in 6.4 s, 1 thread in 8.7 s. On a GPU
@@ -52,11 +54,12 @@ def abstract_pass(run, inputs):
 class CompiledTimer(CallTimer):
     """A `CallTimer` that keeps each call's shapes as it is added. Its
     `results()` (once) lowers every call's two programs and compiles them
-    on worker threads, `THREADS` of them without a GPU and one with one,
+    on `threads` worker threads (`THREADS` without a GPU, one with one),
     then times them one call at a time. `progress` counts calls compiled."""
 
-    def __init__(self, repeats, progress=None):
+    def __init__(self, repeats, progress=None, threads=1):
         super().__init__(None, repeats, progress)
+        self.threads = threads
         self.calls = {}
 
     def __contains__(self, key):
@@ -66,8 +69,7 @@ class CompiledTimer(CallTimer):
         self.calls[key] = _Call(operation, args, kwargs)
 
     def results(self):
-        on_gpu = any(d.platform == "gpu" for d in jax.devices())
-        pool = concurrent.futures.ThreadPoolExecutor(1 if on_gpu else THREADS)
+        pool = concurrent.futures.ThreadPoolExecutor(self.threads)
         try:
             compiling = []
             for call in self.calls.values():
@@ -166,4 +168,4 @@ def _is_array(x):
 
 
 def _is_float(x):
-    return _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return _is_array(x) and is_float(x)
