@@ -66,7 +66,9 @@ def make_model(name, keras):
         import small_cnn
         return small_cnn.make_model()
     build = {"vgg19": keras.applications.VGG19,
-             "resnet152": keras.applications.ResNet152}[name]
+             "resnet152": keras.applications.ResNet152,
+             "resnet50": keras.applications.ResNet50,
+             "densenet121": keras.applications.DenseNet121}[name]
     return build(weights=None, input_shape=(224, 224, 3), classes=1000)
 
 

@@ -50,17 +50,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def make_model(name, keras):
-    if name == "small_cnn":
-        sys.path.insert(0, HERE)
-        import small_cnn
-        return small_cnn.make_model()
-    build = {"resnet152": keras.applications.ResNet152,
-             "resnet50": keras.applications.ResNet50,
-             "densenet121": keras.applications.DenseNet121}[name]
-    return build(weights=None, input_shape=(224, 224, 3), classes=1000)
-
-
 def child(args):
     """Times one profile with the keras_autovm under `args.child`; prints
     its record as the last line."""
@@ -75,6 +64,8 @@ def child(args):
     from keras_autovm.model_graph import layer_calls
 
     assert keras_autovm.__file__.startswith(os.path.abspath(args.child)), keras_autovm.__file__
+    sys.path.insert(0, HERE)
+    from gpu_profile import make_model
     keras.utils.set_random_seed(0)
     model = make_model(args.models, keras)
     start = time.perf_counter()
@@ -87,12 +78,7 @@ def child(args):
         "sum_fwd_s": sum(t.fwd_s for t in profile.layers),
         "sum_bwd_s": sum(t.bwd_s for t in profile.layers),
         "device": profile.device, "keras": keras.__version__,
-        "backend_version": _backend_version(args.backend)}))
-
-
-def _backend_version(backend):
-    module = {"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}[backend]
-    return __import__(module).__version__
+        "backend_version": __import__(args.backend).__version__}))
 
 
 def one(args, model, code, label):
