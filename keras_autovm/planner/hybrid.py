@@ -157,6 +157,8 @@ class _Search:
             for t in u.tensors:
                 target[t] = k
         self.chosen = set()
+        # Units cut in halves: choosing one again would undo its split.
+        self.retired = set()
         self.ahead = {}
         bwd = [cost.bwd_time(op) for op in graph.ops]
         # after[i]: backward time of ops i+1.. (those run before op i's).
@@ -226,7 +228,8 @@ class _Search:
     def frugal(self):
         """Tries the most frugal choices: every recompute unit, then every
         swap besides; the best (lowest peak) is kept."""
-        redo = {k for k, u in enumerate(self.units) if u.kind == "recompute"}
+        redo = {k for k, u in enumerate(self.units)
+                if u.kind == "recompute" and k not in self.retired}
         self.evaluate(redo)
         everything = set(redo)
         for k, u in enumerate(self.units):
@@ -250,7 +253,7 @@ class _Search:
             return True
         options = []
         for k, u in enumerate(self.units):
-            if k in self.chosen:
+            if k in self.chosen or k in self.retired:
                 continue
             if u.kind == "swap" and u.tensors[0] in self.redo_of \
                     and self.redo_of[u.tensors[0]] in self.chosen:
@@ -284,6 +287,7 @@ class _Search:
             return False
         for k in held:
             self.chosen.discard(k)
+            self.retired.add(k)
             for piece in halves(self.graph, self.cost, self.units[k]):
                 self.units.append(piece)
                 for t in piece.tensors:
