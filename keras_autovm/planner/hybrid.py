@@ -14,6 +14,8 @@ step gets faster within the budget.
 Pure standard-library Python, no framework imports.
 """
 
+import heapq
+
 from .graph import ACTIONS
 from .policies import _finish
 from .schedule import first_backward_use
@@ -120,8 +122,7 @@ def _lower(a, b, budget):
 
 
 def _search(graph, cost, budget, allowed, base, regions=None, least=False):
-    search = _Search(graph, cost, budget, allowed, base, regions,
-                     _lower if least else _ahead_of)
+    search = _Search(graph, cost, budget, allowed, base, regions, least)
     search.greedy()
     if not search.best_fits():
         search.frugal()
@@ -138,10 +139,12 @@ class _Search:
     """
 
     def __init__(self, graph, cost, budget, allowed, base, regions=None,
-                 better=None):
+                 least=False):
         self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
-        # How a simulated choice beats the best so far (`_ahead_of`).
-        self.better = better or _ahead_of
+        # How a simulated choice beats the best so far; seeking the lowest
+        # peak, the time a swap's copies cost on a shared link is no matter.
+        self.least = least
+        self.better = _lower if least else _ahead_of
         self.index = graph.op_index
         self.regions = regions
         self.units = []
@@ -251,7 +254,7 @@ class _Search:
                 moved = True
         if moved:
             return True
-        options = []
+        options, load = [], self._link_load()
         for k, u in enumerate(self.units):
             if k in self.chosen or k in self.retired:
                 continue
@@ -263,17 +266,11 @@ class _Search:
             freed = sum(live.get(t, 0) for t in u.tensors
                         if actions.get(t, "keep") in acted)
             if freed:
-                options.append((self._estimate(u) / freed, k, freed))
+                options.append((self._estimate(u, load) / freed, k, freed))
         if not options:
             return self._split(live, actions)
-        options.sort()
-        excess = r.peak_bytes - self.budget
-        for _, k, freed in options:
-            self._choose(k)
-            excess -= freed
-            if excess <= 0:
-                break
-        return bool(options)
+        self._take(options, r.peak_bytes - self.budget, load)
+        return True
 
     def _split(self, live, actions):
         """Halves the chosen recompute units whose replays are live at the
@@ -295,16 +292,42 @@ class _Search:
                 self._choose(len(self.units) - 1)
         return True
 
-    def _estimate(self, unit):
-        if unit.kind == "recompute":
-            return unit.estimate
-        d2h = h2d = 0.0
+    def _take(self, options, excess, load):
+        """Chooses `options` (cost per byte, unit, bytes freed), cheapest
+        first, until `excess` bytes are freed. Each swap taken loads the
+        link the next ones share, so (unless seeking the lowest peak) a
+        swap's cost is looked at again when its turn comes, and it goes
+        back in line if it is no longer the cheapest: costs only grow, so
+        the first that holds is."""
+        heapq.heapify(options)
+        while options and excess > 0:
+            ratio, k, freed = heapq.heappop(options)
+            unit = self.units[k]
+            if unit.kind == "swap" and not self.least:
+                now = self._estimate(unit, load) / freed
+                if options and now > ratio and now > options[0][0]:
+                    heapq.heappush(options, (now, k, freed))
+                    continue
+                load = self._loaded(load, unit)
+            self._choose(k)
+            excess -= freed
+
+    def _link_load(self):
+        """(to host, back) seconds of the chosen swaps' copies."""
+        load = (0.0, 0.0)
         for u in self.units_of(self.chosen):
             if u.kind == "swap":
-                d2h += self.cost.copy_time(u.nbytes, "d2h")
-                h2d += self.cost.copy_time(u.nbytes, "h2d")
-        d2h += self.cost.copy_time(unit.nbytes, "d2h")
-        h2d += self.cost.copy_time(unit.nbytes, "h2d")
+                load = self._loaded(load, u)
+        return load
+
+    def _loaded(self, load, unit):
+        return (load[0] + self.cost.copy_time(unit.nbytes, "d2h"),
+                load[1] + self.cost.copy_time(unit.nbytes, "h2d"))
+
+    def _estimate(self, unit, load):
+        if unit.kind == "recompute":
+            return unit.estimate
+        d2h, h2d = self._loaded(load, unit)
         # A saturated link exposes what compute cannot cover.
         overload = max(d2h - self.fwd_total, h2d - self.bwd_total, 0.0)
         return max(unit.estimate, overload)

@@ -279,6 +279,20 @@ def test_a_unit_cut_in_halves_is_never_chosen_again(make, allowed, monkeypatch):
     assert seen == []
 
 
+def test_swaps_taken_together_are_priced_with_the_link_they_share():
+    # A greedy round used to price every swap as if it were the only one:
+    # it took enough swaps to cover the whole excess at once, together far
+    # more than the link moves while the step computes, and the stall was
+    # most of the step (here 0.9x keep-all's step on top of it).
+    slow = CostModel(d2h_bytes_per_s=5e9, h2d_bytes_per_s=5e9)
+    g = branched(cells=8, branches=4, depth=6, base=2**22)
+    base = simulate(g, {}, None, slow)
+    plan = hybrid(g, slow, int(base.peak_bytes * 0.35))
+    assert plan.fits
+    assert plan.result.stall_time < 0.1 * base.step_time
+    assert plan.result.step_time < 1.3 * base.step_time
+
+
 # Stages of 4x, 2x and 1x: the first blocks hold most of the bytes.
 STAGED = [4] * 4 + [2] * 8 + [1] * 24
 
