@@ -142,7 +142,7 @@ class _Search:
                  least=False):
         self.graph, self.cost, self.budget, self.base = graph, cost, budget, base
         # How a simulated choice beats the best so far; seeking the lowest
-        # peak, the time a swap's copies cost on a shared link is no matter.
+        # peak, a round does not price swaps again as the link fills.
         self.least = least
         self.better = _lower if least else _ahead_of
         self.index = graph.op_index
@@ -290,6 +290,11 @@ class _Search:
                 for t in piece.tensors:
                     self.redo_of[t] = len(self.units) - 1
                 self._choose(len(self.units) - 1)
+            # The kept middle output is in no half: a trade for its swap
+            # must not bring the whole unit back.
+            for t in self.units[k].tensors:
+                if self.redo_of.get(t) == k:
+                    del self.redo_of[t]
         return True
 
     def _take(self, options, excess, load):
