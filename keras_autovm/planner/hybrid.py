@@ -308,6 +308,8 @@ class _Search:
         while options and excess > 0:
             ratio, k, freed = heapq.heappop(options)
             unit = self.units[k]
+            if unit.kind == "swap" and self.redo_of.get(unit.tensors[0]) in self.chosen:
+                continue  # A recompute unit taken this round frees it.
             if unit.kind == "swap" and not self.least:
                 now = self._estimate(unit, load) / freed
                 if options and now > ratio and now > options[0][0]:
