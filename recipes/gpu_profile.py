@@ -11,7 +11,8 @@ random weights), in this order: AutoVM's profiling phase
 then the link), then a first epoch of `--steps` training steps of plain
 Keras `fit` (compile included, as a user's first epoch has it), the clock
 stopped once the device is done. Writes
-`<out>/<model>_layer_times_<backend>.json`:
+`<out>/<model>_profile_<backend>_b<batch>.json` (the `keras_autovm.Profile`,
+`Profile.load` reads it) and `<out>/<model>_layer_times_<backend>.json`:
 
     {"device", "backend", "batch_size",
      "layers": [{"name", "fwd_s", "bwd_s", "output_bytes"}],
@@ -128,6 +129,9 @@ def run(name, args, keras):
     path = os.path.join(args.out, f"{name}_layer_times_{args.backend}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+    # The profile as AutoVM keeps it (`keras_autovm.Profile.load`), so that
+    # plans can be made on a CPU from what the GPU measured.
+    profile.save(os.path.join(args.out, f"{name}_profile_{args.backend}_b{args.batch_size}.json"))
     fwd = sum(t.fwd_s for t in profile.layers)
     bwd = sum(t.bwd_s for t in profile.layers)
     print(f"{name}: {len(profile.layers)} layer calls, sum of forward "

@@ -14,6 +14,7 @@ step gets faster within the budget.
 Pure standard-library Python, no framework imports.
 """
 
+import bisect
 import heapq
 
 from .graph import ACTIONS
@@ -162,12 +163,16 @@ class _Search:
         self.chosen = set()
         # Units cut in halves: choosing one again would undo its split.
         self.retired = set()
-        self.ahead = {}
+        # Prefetch distances set by the search (a copy back held later for
+        # memory, or started earlier for a stall); the others are
+        # `_queued_ahead`'s, and `used_ahead` what the last simulation used.
+        self.ahead, self.used_ahead = {}, {}
         bwd = [cost.bwd_time(op) for op in graph.ops]
         # after[i]: backward time of ops i+1.. (those run before op i's).
         self.after = [0.0] * len(bwd)
         for i in range(len(bwd) - 2, -1, -1):
             self.after[i] = self.after[i + 1] + bwd[i + 1]
+        self.before = [-a for a in self.after]  # Non-decreasing, to bisect.
         fwd = [cost.fwd_time(op) for op in graph.ops]
         self.fwd_total, self.bwd_total = sum(fwd), sum(bwd)
         self.best = self.best_chosen = None
@@ -190,26 +195,34 @@ class _Search:
         ahead = self.ahead if ahead is None else ahead
         actions = self.actions(chosen)
         first = first_backward_use(self.graph, actions, self.cost.replay_segments)
+        used = self._queued_ahead([t for t, a in actions.items()
+                                   if a == "swap" and t in first], first)
+        used.update((t, k) for t, k in ahead.items() if t in used)
         last = len(self.graph.ops) - 1
-        prefetch = {}
-        for t, a in actions.items():
-            if a == "swap" and t in first:
-                k = ahead.setdefault(t, self._initial_ahead(t, first[t]))
-                prefetch[t] = self.graph.ops[min(first[t] + k, last)].name
+        prefetch = {t: self.graph.ops[min(first[t] + k, last)].name
+                    for t, k in used.items()}
         result = simulate(self.graph, actions, prefetch, self.cost)
+        self.used_ahead = used
         if self.best is None or self.better((actions, prefetch, result), self.best, self.budget):
             self.best = (actions, prefetch, result)
-            self.best_chosen = set(chosen)
+            self.best_chosen, self.best_ahead = set(chosen), used
         return result
 
-    def _initial_ahead(self, name, first):
-        need = PREFETCH_SLACK * self.cost.copy_time(
-            self.graph.tensor_map[name].nbytes, "h2d")
-        k = 1
-        while first + k < len(self.after) - 1 \
-                and self.after[first] - self.after[first + k] < need:
-            k += 1
-        return k
+    def _queued_ahead(self, swaps, first):
+        """How many ops before its first backward use each swapped tensor's
+        copy back starts: where the backward still to run takes twice the
+        copy, or earlier where the copies needed after it would otherwise
+        queue on the link past its use (one stream copies back, in the
+        order the backward needs them)."""
+        ahead, start = {}, float("inf")
+        for t in sorted(swaps, key=lambda t: (-self.after[first[t]], t)):
+            need = self.after[first[t]]
+            copy = self.cost.copy_time(self.graph.tensor_map[t].nbytes, "h2d")
+            start = min(need, start) - copy
+            lead = max(PREFETCH_SLACK * copy, need - start)
+            j = bisect.bisect_left(self.before, lead - need, lo=first[t] + 1)
+            ahead[t] = max(1, min(j, len(self.after) - 1) - first[t])
+        return ahead
 
     def best_fits(self):
         return self.best[2].peak_bytes <= self.budget
@@ -247,10 +260,13 @@ class _Search:
         live = {name: n for kind, name, n in r.peak_live if kind == "activation"}
         actions = self.actions(self.chosen)
         moved = False
+        # A swapped tensor live at a peak in the forward pass waits for its
+        # copy to host; in the backward, its copy back may have started too
+        # early for the memory: start it later.
+        backward = r.peak_time > r.forward_time
         for t, n in live.items():
-            # A copy back started too early for the memory: start it later.
-            if actions.get(t) == "swap" and self.ahead.get(t, 1) > 1:
-                self.ahead[t] //= 2
+            if backward and actions.get(t) == "swap" and self.used_ahead.get(t, 1) > 1:
+                self.ahead[t] = self.used_ahead[t] // 2
                 moved = True
         if moved:
             return True
@@ -381,7 +397,7 @@ class _Search:
         for t in sorted(stalls, key=stalls.get, reverse=True):
             if actions.get(t) == "swap":
                 ahead = dict(self.ahead)
-                ahead[t] = 2 * ahead.get(t, 1)
+                ahead[t] = 2 * self.best_ahead.get(t, 1)
                 yield self.chosen, ahead
         for k in sorted(self.chosen, key=cost_of, reverse=True):
             yield from self._trades(k)

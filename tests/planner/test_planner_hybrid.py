@@ -296,6 +296,21 @@ def test_swaps_taken_together_are_priced_with_the_link_they_share():
     assert plan.result.step_time < 1.3 * base.step_time
 
 
+def test_copies_back_start_early_enough_for_the_queue_on_the_link():
+    # Six tensors read in turn at the end of the backward, each copy back
+    # (3 s) longer than the backward between their uses (2 s): one stream
+    # copies them back in turn, so each must start earlier than its own
+    # copy needs. Started at twice their own copy before use, the copies
+    # fell behind and the backward waited 2 s.
+    g = chain([int(150e9)] * 16)
+    base = simulate(g, {}, None, COST)
+    search = hybrid_module._Search(g, COST, base.peak_bytes, ("keep", "swap"), base)
+    result = search.evaluate({search.swap_of[f"t{i}"] for i in range(6)})
+    assert result.d2h_bytes == 6 * int(150e9)
+    assert result.stall_time == 0
+    assert result.step_time == base.step_time
+
+
 # Stages of 4x, 2x and 1x: the first blocks hold most of the bytes.
 STAGED = [4] * 4 + [2] * 8 + [1] * 24
 
