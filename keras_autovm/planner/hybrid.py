@@ -33,7 +33,8 @@ MAX_STALE = 12
 # Simulations the local search may spend after the budget is met.
 MAX_TRIES = 80
 # A copy back starts when the backward still to run before its first use
-# takes this many times the copy (ignoring other copies in the queue).
+# takes at least this many times the copy (earlier where the copies queued
+# after it need the link: `_Search._queued_ahead`).
 PREFETCH_SLACK = 2.0
 
 
