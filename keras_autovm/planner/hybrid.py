@@ -6,8 +6,8 @@ on what is live at the peak, cheapest per byte first. A swap costs the
 part of its round trip that compute cannot hide (its idle window in the
 keep-all timeline, and the link time already taken by other swaps); a
 recompute unit costs its ops' forward times. Swapped tensors come back as
-early as the timeline needs to hide the copy, later where that early copy
-is what breaks the budget. Then a local search undoes actions, moves
+early as the timeline needs to hide the copy and the copies queued after
+it on the link, later where that early copy is what breaks the budget. Then a local search undoes actions, moves
 prefetches earlier and trades swap for recompute wherever the simulated
 step gets faster within the budget.
 
