@@ -247,8 +247,11 @@ def run_layers(layers, kwargs, x):
 
 
 def _batch_size(inputs):
-    leaves = keras.tree.flatten(inputs)
-    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if hasattr(inputs, "shape"):  # One tensor: every layer call asks.
+        shape = inputs.shape
+    else:
+        leaves = keras.tree.flatten(inputs)
+        shape = getattr(leaves[0], "shape", None) if leaves else None
     if not shape:
         return None
     size = shape[0]

@@ -8,7 +8,12 @@ Each variant trains in its own process: in-core without a cap, then
 named policies). Three epochs of `--steps` steps: the first plans and
 calibrates; the second runs under `torch.profiler` from its second step on;
 a third, not profiled, splits each step into forward, backward and the rest
-(the device synchronized around the backward pass).
+(the device synchronized around the backward pass). With `--cprofile`, a
+fourth epoch runs under Python's `cProfile`: the functions that took the
+most of its time by themselves, and that time summed by where the code
+lives (keras_autovm, Keras, torch, the rest), to find whose Python a
+Python-bound step spends. The caching allocator's counters (retries, device
+allocations, frees, whole-device syncs) are read around the third epoch.
 From the profiler's trace, per step: the wall time (each step waits for the
 device), the time the GPU ran kernels (the union of their intervals), the
 copies to host and back (and how much of them ran while no kernel did), and
@@ -18,15 +23,19 @@ plan is then more kernels (recompute), exposed copies, or a GPU waiting for
 Python.
 
 `--variants` names the runs instead (`incore`, `autovm`, `autovm:<policy>`),
-each optionally with an allocator setting: `+expandable` or `+fixed` runs it
+each optionally with settings: `+expandable` or `+fixed` runs it
 with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` or `:False` (AutoVM
-turns expandable segments on unless the user chose).
+turns expandable segments on unless the user chose); `+uncapped` plans
+AutoVM for `--cap-gib` but leaves the allocator uncapped, as
+`gpu_overhead.py --factor` runs it.
 """
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -121,16 +130,54 @@ def breakdown(trace, steps, wall_s):
     }
 
 
+def allocator_counts(torch):
+    """The caching allocator's running counts that cost the CPU a call into
+    CUDA or a wait: retries after a failed allocation (each frees the cache
+    and synchronizes), device allocations and frees, whole-device syncs."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                         "num_device_free", "num_sync_all_streams")}
+
+
+def python_time(profile, steps):
+    """Per step (ms): the 25 functions with the most time of their own,
+    all such time summed by where the code lives, and AutoVM's 20 functions
+    with the most time inside them (callees included)."""
+    stats = pstats.Stats(profile).stats
+    where = {}
+    rows, ours = [], []
+    for (path, line, name), (_, calls, own, total, _) in stats.items():
+        if "keras_autovm" in path:
+            ours.append((total * 1e3 / steps, calls // steps,
+                         f"{path.split('keras_autovm/')[-1]}:{line}({name})"))
+        home = ("keras_autovm" if "keras_autovm" in path else
+                "keras" if "/keras/" in path else
+                "torch" if "/torch/" in path else
+                "builtin" if path == "~" else "other")
+        where[home] = where.get(home, 0.0) + own * 1e3 / steps
+        rows.append((own * 1e3 / steps, calls // steps, f"{path.split('site-packages/')[-1]}:"
+                     f"{line}({name})"))
+    rows.sort(reverse=True)
+    ours.sort(reverse=True)
+    return {"own_ms_by_home": where,
+            "keras_autovm_total_ms": [{"ms": ms, "calls": calls, "function": name}
+                                      for ms, calls, name in ours[:20]],
+            "top_own_ms": [{"ms": ms, "calls": calls, "function": name}
+                           for ms, calls, name in rows[:25]]}
+
+
 def child(args):
     import gpu_swap
     import keras
     import numpy as np
     import torch
 
-    variant = args.variant.split("+", 1)[0]
+    variant, *settings = args.variant.split("+")
     cap = 0.0 if variant == "incore" else args.cap_gib
     if torch.cuda.is_available():
-        gpu_swap.setup("torch", cap)
+        gpu_swap.setup("torch", 0.0 if "uncapped" in settings else cap)
     model = gpu_swap.build(args.model)
     callbacks = []
     if variant != "incore":
@@ -142,8 +189,8 @@ def child(args):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, 224, 224, 3)).astype("float32")
     y = rng.integers(0, 1000, args.batch * args.steps)
-    model.fit(x, y, batch_size=args.batch, epochs=3, shuffle=False, verbose=0,
-              callbacks=callbacks + [profiled])
+    model.fit(x, y, batch_size=args.batch, epochs=4 if args.cprofile else 3,
+              shuffle=False, verbose=0, callbacks=callbacks + [profiled])
     out = {"variant": args.variant, "cap_gib": cap, "batch": args.batch,
            "profiled_steps": len(profiled.times),
            "step_ms": [t * 1e3 for t in profiled.times],
@@ -151,6 +198,8 @@ def child(args):
            # The third epoch, not profiled, with the device synchronized
            # around the backward pass: (forward, backward, the rest) per step.
            "split_ms": [[t * 1e3 for t in split] for split in profiled.splits[1:]],
+           "allocator": profiled.allocator,
+           "cprofile": profiled.python,
            "peak_bytes": torch.cuda.max_memory_allocated()
            if torch.cuda.is_available() else None}
     if callbacks:
@@ -167,14 +216,19 @@ def profiling_callback(keras, torch):
             super().__init__()
             self.times, self.trace, self.profiler, self.epoch = [], None, None, 0
             self.splits, self.marks, self.split = [], [], None
+            self.allocator, self.python, self.cprofile = None, None, None
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
             if epoch == 2:
                 self.split = measure.backward_marks(torch)
                 self.marks = self.split.__enter__()
+                self.allocator = allocator_counts(torch)
 
         def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == 3 and batch == 1:
+                self.cprofile = cProfile.Profile()
+                self.cprofile.enable()
             if self.epoch == 1 and batch == 1:
                 self.profiler = torch.profiler.profile(activities=[
                     torch.profiler.ProfilerActivity.CPU,
@@ -191,11 +245,18 @@ def profiling_callback(keras, torch):
             self.marks.clear()
             if self.profiler is not None:
                 self.times.append(time.perf_counter() - self.start)
+            if self.cprofile is not None and batch == self.params["steps"] - 1:
+                # Before the epoch's end, where AutoVM may replan.
+                self.cprofile.disable()
+                self.python = python_time(self.cprofile, self.params["steps"] - 1)
+                self.cprofile = None
 
         def on_epoch_end(self, epoch, logs=None):
             if self.split is not None:
                 self.split.__exit__(None, None, None)
                 self.split = None
+                after = allocator_counts(torch)
+                self.allocator = {k: after[k] - v for k, v in self.allocator.items()}
             if self.profiler is None:
                 return
             if torch.cuda.is_available():
@@ -215,10 +276,11 @@ def spawn(args, variant):
     command = [sys.executable, os.path.abspath(__file__), "--child",
                "--variant", variant, "--model", args.model, "--batch", str(args.batch),
                "--steps", str(args.steps), "--cap-gib", str(args.cap_gib)]
+    command += ["--cprofile"] if args.cprofile else []
     env = dict(os.environ)
-    setting = variant.split("+", 1)[1] if "+" in variant else None
-    if setting:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:" + ALLOCATOR[setting]
+    for setting in variant.split("+")[1:]:
+        if setting in ALLOCATOR:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:" + ALLOCATOR[setting]
     return measure.run_child(command, args.timeout, env, variant=variant)
 
 
@@ -233,6 +295,8 @@ def main():
     parser.add_argument("--variants", default="",
                         help="the runs, comma-separated (see above); replaces "
                              "incore, autovm and --policies")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="a fourth epoch under cProfile")
     parser.add_argument("--timeout", type=int, default=150)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -254,11 +254,12 @@ def test_the_forward_waits_for_copies_over_the_in_flight_bound_and_says_how_long
 
     step = swap.Step(Layout(), None, None, {"forward_wait_s": 0.0}, [])
     first, second, third = Copying(), Copying(), Copying()
-    step.in_flight.extend([(first, 80), (second, 80), (third, 20)])
+    for copy, nbytes in [(first, 80), (second, 80), (third, 20)]:
+        step.copying(copy, nbytes)
     step._bound_in_flight()
     # The oldest copy is waited for, until what is left is within the bound.
     assert first.done and not second.done
-    assert [n for _, n in step.in_flight] == [80, 20]
+    assert [n for _, n in step.in_flight] == [80, 20] and step.in_flight_bytes == 100
     assert step.stats["forward_wait_s"] >= 0.01
     waited = step.stats["forward_wait_s"]
     step._bound_in_flight()
@@ -392,12 +393,15 @@ def test_a_failed_step_leaves_no_activations_behind(monkeypatch):
     _, budget = _roomy_budget()
     callback = keras_autovm.AutoVM(budget=budget, verbose=0, apply_without_gpu=True)
     callback.on_train_end = lambda logs=None: None  # The model stays patched.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(_flaky_cnn, [callback], epochs=1)
-    gc.collect()
-    assert callback._runtime.stats["out_of_memory_replans"] == 1
-    assert saved and not [r for r in saved if r() is not None]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train(_flaky_cnn, [callback], epochs=1)
+        gc.collect()
+        assert callback._runtime.stats["out_of_memory_replans"] == 1
+        assert saved and not [r for r in saved if r() is not None]
+    finally:
+        callback._patches.close()  # What `on_train_end` undoes.
 
 
 def test_a_replay_leaves_nothing_for_the_cycle_collector():

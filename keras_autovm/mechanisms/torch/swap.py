@@ -88,14 +88,22 @@ class Copy:
 
 
 class Saved:
-    """What autograd keeps for a saved tensor: the tensor, or its `Copy`."""
+    """What autograd keeps for a saved tensor: the tensor, or its `Copy`
+    and the view of it to rebuild (taken when the tensor is let go: most
+    saved tensors are kept, and every step's Python pays for each)."""
 
-    __slots__ = ("tensor", "copy", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("tensor", "copy", "view", "__weakref__")
 
     def __init__(self, tensor):
-        self.tensor, self.copy = tensor, None
-        self.dtype, self.size = tensor.dtype, tensor.size()
-        self.stride, self.offset = tensor.stride(), tensor.storage_offset()
+        self.tensor, self.copy, self.view = tensor, None, None
+
+    def to_copy(self, copy):
+        """Lets go of the tensor for `copy` (`None`: the step was given up)."""
+        tensor = self.tensor
+        if copy is not None and tensor is not None:
+            self.view = (tensor.dtype, tensor.storage_offset(), tensor.size(),
+                         tensor.stride())
+        self.tensor, self.copy = None, copy
 
 
 class Layout:
@@ -142,6 +150,7 @@ class Step:
         self.done = set()  # tags past their last forward reader
         self.cursor = 0
         self.in_flight = collections.deque()  # (event, nbytes)
+        self.in_flight_bytes = 0
         # tag -> weak references to its copies, for the prefetch hooks: the
         # bookkeeping above lets go of a tag once its storage is freed,
         # which is before the layer where its prefetch is armed.
@@ -174,15 +183,18 @@ class Step:
             self.fetch(copy)
         if copy.h2d is not None:
             torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
-        view = torch.empty(0, dtype=handle.dtype, device=copy.device)
-        return view.set_(copy.gpu.untyped_storage(), handle.offset, handle.size,
-                         handle.stride)
+        dtype, offset, size, stride = handle.view
+        view = torch.empty(0, dtype=dtype, device=copy.device)
+        return view.set_(copy.gpu.untyped_storage(), offset, size, stride)
 
     # ------------------------------------------------------- the forward
 
     def layer_done(self, name, outputs):
         """Called after each layer call of the forward pass, in order."""
-        tensors = [x for x in keras.tree.flatten(outputs) if isinstance(x, torch.Tensor)]
+        if isinstance(outputs, torch.Tensor):  # Most layers: no tree to walk.
+            tensors = [outputs]
+        else:
+            tensors = [x for x in keras.tree.flatten(outputs) if isinstance(x, torch.Tensor)]
         tags = self.layout.outputs.get(name, ())
         for tag, tensor in zip(tags, tensors):
             key = tensor.untyped_storage().data_ptr()
@@ -218,11 +230,12 @@ class Step:
         for ref in self.handles:
             handle = ref()
             if handle is not None:
-                handle.tensor = handle.copy = None
+                handle.to_copy(None)
         self.handles.clear()
         self.forward_done()
         self.pending.clear()
         self.in_flight.clear()
+        self.in_flight_bytes = 0
 
     def _swap_internal(self, name):
         """Swaps what layer `name` saved that is no layer output, if the
@@ -257,7 +270,7 @@ class Step:
                 event.record(self.stream)
             # The allocator reuses the block, once freed, after the copy.
             flat.record_stream(self.stream)
-            self.in_flight.append((event, storage.nbytes()))
+            self.copying(event, storage.nbytes())
         else:
             host.copy_(flat)
         self.copies[key] = Copy(host, storage.nbytes(), device)
@@ -282,23 +295,31 @@ class Step:
         # The key is an address: once freed, a new storage may get it.
         copy = self.copies.pop(key, None)
         for handle in self.saved.pop(key, ()):
-            handle.tensor, handle.copy = None, copy
+            handle.to_copy(copy)
         storage = self.storages.pop(key)
         self.stats["bytes_freed_early"] += storage.nbytes()
         self.saved_keys.discard(key)
         storage.resize_(0)
 
+    def copying(self, event, nbytes):
+        """Counts a copy to host of `nbytes` against the in-flight bound
+        until `event` completes."""
+        self.in_flight.append((event, nbytes))
+        self.in_flight_bytes += nbytes
+
     def _bound_in_flight(self):
         while self.in_flight and self.in_flight[0][0].query():
-            self.in_flight.popleft()
+            self.in_flight_bytes -= self.in_flight.popleft()[1]
         limit = self.layout.max_in_flight
-        if limit is None or sum(n for _, n in self.in_flight) <= limit:
+        if limit is None or self.in_flight_bytes <= limit:
             return
         # The forward waits for the link here: the stall the plan predicts
         # as `SimResult.d2h_wait_time`.
         start = time.perf_counter()
-        while sum(n for _, n in self.in_flight) > limit:
-            self.in_flight.popleft()[0].synchronize()
+        while self.in_flight_bytes > limit:
+            event, nbytes = self.in_flight.popleft()
+            event.synchronize()
+            self.in_flight_bytes -= nbytes
         self.stats["forward_wait_s"] += time.perf_counter() - start
 
     # ------------------------------------------------------- the backward
@@ -310,8 +331,10 @@ class Step:
 
     def _arm_prefetch(self, name, tensors):
         tags = self.layout.prefetch_at.get(name)
+        if not tags:
+            return
         grad = next((x for x in tensors if x.requires_grad), None)
-        if not tags or grad is None:
+        if grad is None:
             return
         copies = [ref for tag in tags for ref in self.fetchable.get(tag, ())]
         if copies:
