@@ -16,7 +16,6 @@ import keras
 
 from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
-from keras_autovm import collector
 from keras_autovm import console as console_lib
 from keras_autovm import internals
 from keras_autovm import mechanisms
@@ -224,16 +223,12 @@ class AutoVM(keras.callbacks.Callback):
         # reading the peak at or after an epoch's end then sees that epoch's.
         self._peak_resets = self._mechanism.reset_peak()
         if self._applied:
-            self._refreeze()
             return
         self._applied = True
         message = patches_lib.apply(self._target, self._runtime, self._mechanism,
                                     self._patches)
         if message:
             self._console.print(message)
-        self._refreeze = lambda: None
-        if self._mechanism.calls_layers_each_step:
-            self._refreeze = self._patches.enter(collector.frozen())
 
     def _announce(self, plan):
         if (plan.graph.batch_size, plan.policy) not in self._shown:

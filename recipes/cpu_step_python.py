@@ -15,10 +15,7 @@ process, `--steps` steps of batch 4, in turns over `--rounds`:
 - `keep`: AutoVM keeping every output, under its hooks (the plan that runs
   unchanged where holding every output fits is turned off);
 - `offload`: AutoVM's `offload_all` (603 swaps; copies to host memory,
-  synchronous without a GPU);
-- either AutoVM variant with `:thawed`: without `keras_autovm.collector`
-  (Python's collector walks every object in each full collection, as
-  before it).
+  synchronous without a GPU).
 
 Per variant: the median and mean step after the first five, and the
 collector's collections in those steps per generation, with their summed
@@ -90,18 +87,15 @@ def collections(keras, first):
 
 
 def child(args):
-    import contextlib
-
     import keras
     import numpy as np
     import torch
 
     import keras_autovm
-    from keras_autovm import collector
     from keras_autovm.mechanisms.torch import mechanism, swap
 
     torch.set_num_threads(1)
-    variant, _, setting = args.variant.partition(":")
+    variant = args.variant
     keras.utils.set_random_seed(0)
     net = model(keras, args.blocks)
     net.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -109,8 +103,6 @@ def child(args):
     if variant != "incore":
         swap.MIN_BYTES = 0  # Tiny tensors, swapped as a GPU's large ones.
         mechanism.TorchMechanism.holds_outputs = False  # Under the hooks.
-        if setting == "thawed":
-            collector.frozen = lambda: contextlib.nullcontext(lambda: None)
         callbacks.append(keras_autovm.AutoVM(budget="1GiB", policy=POLICY[variant],
                                              verbose=0, apply_without_gpu=True))
     timer = measure.step_timer(keras)
@@ -134,7 +126,7 @@ def child(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="incore,keep,keep:thawed,offload,offload:thawed")
+    parser.add_argument("--variants", default="incore,keep,offload")
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)

@@ -78,18 +78,6 @@ def profile_cache(tmp_path_factory):
         os.environ["KERAS_AUTOVM_CACHE_DIR"] = old
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_frozen():
-    """A fit under AutoVM thaws what it froze from Python's collector
-    (`keras_autovm.collector`) when it ends; a test that keeps a fit's
-    changes must undo them itself."""
-    import gc
-    yield
-    frozen = gc.get_freeze_count()
-    gc.unfreeze()
-    assert frozen == 0, f"{frozen} objects were left frozen"
-
-
 @pytest.fixture
 def swap_small_tensors(monkeypatch):
     """torch leaves tensors under 1 MiB to autograd; the test models' are."""
