@@ -11,7 +11,7 @@ from keras_autovm.planner import PlanError
 from keras_autovm.planner import TensorSpec
 from keras_autovm.planner import make_plan
 from keras_autovm.planner import simulate
-from keras_autovm.planner import hybrid as hybrid_module
+from keras_autovm.planner import search as search_module
 from keras_autovm.planner.choose import CANDIDATES
 from keras_autovm.planner.hybrid import hybrid
 from keras_autovm.planner.units import cuts
@@ -266,15 +266,15 @@ def test_a_unit_cut_in_halves_is_never_chosen_again(make, allowed, monkeypatch):
         cut.append(unit)
         return halves(graph, cost, unit)
 
-    evaluate = hybrid_module._Search.evaluate
+    evaluate = search_module._Search.evaluate
 
     def watched(self, chosen=None, ahead=None):
         chosen = self.chosen if chosen is None else chosen
         seen.extend(k for k in chosen if any(self.units[k] is u for u in cut))
         return evaluate(self, chosen, ahead)
 
-    monkeypatch.setattr(hybrid_module, "halves", recorded)
-    monkeypatch.setattr(hybrid_module._Search, "evaluate", watched)
+    monkeypatch.setattr(search_module, "halves", recorded)
+    monkeypatch.setattr(search_module._Search, "evaluate", watched)
     g = make()
     hybrid(g, COST, int(keep_peak(g) * 0.3), allowed)
     hybrid(g, COST, 1, allowed, least=True)
@@ -304,7 +304,7 @@ def test_copies_back_start_early_enough_for_the_queue_on_the_link():
     # fell behind and the backward waited 2 s.
     g = chain([int(150e9)] * 16)
     base = simulate(g, {}, None, COST)
-    search = hybrid_module._Search(g, COST, base.peak_bytes, ("keep", "swap"), base)
+    search = search_module._Search(g, COST, base.peak_bytes, ("keep", "swap"), base)
     result = search.evaluate({search.swap_of[f"t{i}"] for i in range(6)})
     assert result.d2h_bytes == 6 * int(150e9)
     assert result.stall_time == 0
@@ -340,7 +340,7 @@ def test_the_hybrid_tries_runs_of_both_kinds(monkeypatch):
         asked.append(by_bytes)
         return region_units(graph, cost, by_bytes)
 
-    monkeypatch.setattr(hybrid_module, "region_units", recorded)
+    monkeypatch.setattr(search_module, "region_units", recorded)
     g = residual(blocks=36, scales=STAGED)
     plan = make_plan(g, int(keep_peak(g) * 0.4), "hybrid", allowed=RECOMPUTE_ONLY)
     assert plan.fits and plan.region_runs
@@ -365,7 +365,7 @@ def test_a_refusal_runs_no_search_for_speed(monkeypatch):
     def improve(self):
         raise AssertionError("searched for speed while stating the least budget")
 
-    monkeypatch.setattr(hybrid_module._Search, "improve", improve)
+    monkeypatch.setattr(search_module._Search, "improve", improve)
     g = branched(branches=4, depth=6)
     with pytest.raises(PlanError) as info:
         make_plan(g, int(keep_peak(g) * 0.1), allowed=RECOMPUTE_ONLY)
