@@ -247,7 +247,8 @@ def run_layers(layers, kwargs, x):
 
 
 def _batch_size(inputs):
-    if hasattr(inputs, "shape"):  # One tensor: every layer call asks.
+    if hasattr(inputs, "shape") and not isinstance(inputs, (tuple, list, dict)):
+        # One tensor: every layer call asks, and a tree walk costs more.
         shape = inputs.shape
     else:
         leaves = keras.tree.flatten(inputs)

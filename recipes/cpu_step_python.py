@@ -61,7 +61,7 @@ def model(keras, blocks):
 def collections(keras, first):
     """A callback recording Python's collections (generation, seconds) in
     `.done`, from the start of step `first` to the end of the last step
-    (not AutoVM's end of the fit, which thaws what it froze)."""
+    (not the end of the fit, where AutoVM makes its report)."""
 
     class Collections(keras.callbacks.Callback):
         def __init__(self):

@@ -192,6 +192,7 @@ def child(args):
     model.fit(x, y, batch_size=args.batch, epochs=4 if args.cprofile else 3,
               shuffle=False, verbose=0, callbacks=callbacks + [profiled])
     out = {"variant": args.variant, "cap_gib": cap, "batch": args.batch,
+           "allocator_capped": bool(cap) and "uncapped" not in settings,
            "profiled_steps": len(profiled.times),
            "step_ms": [t * 1e3 for t in profiled.times],
            "per_step": breakdown(profiled.trace, len(profiled.times), sum(profiled.times)),
@@ -308,6 +309,10 @@ def main():
     variants = ["incore", "autovm"] + [f"autovm:{p}" for p in args.policies.split(",") if p]
     if args.variants:
         variants = args.variants.split(",")
+    for variant in variants:
+        for setting in variant.split("+")[1:]:
+            if setting not in (*ALLOCATOR, "uncapped"):
+                parser.error(f"unknown setting {setting!r} in variant {variant!r}")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv),
                "versions": gpu_swap.versions("torch"),

@@ -48,9 +48,6 @@ class TorchMechanism(Mechanism):
                       "forward_wait_s": 0.0}
         self._layouts = {}  # AppliedPlan -> swap.Layout
         self._profiles = {}  # id(model) -> (model, what its layers save)
-        # (model, its variables): walking the layers for them took about 3
-        # ms of each step of a 554-layer model on a CPU (under cProfile).
-        self._variables = (None, ())
         self._pool = None
         self._stream = None
         self._step = None
@@ -209,9 +206,10 @@ class TorchMechanism(Mechanism):
         self._pool.used = 0
         if self.gpu_available() and self._stream is None:
             self._stream = torch.cuda.Stream()
-        if self._variables[0] is not model:
-            self._variables = (model, tuple(model.variables))
-        return swap.Step(layout, self._pool, self._stream, self.stats, self._variables[1],
+        # The variables are read each step: a callback may add some mid-fit
+        # (LoRA, quantization), and a weight taken for an activation could
+        # be freed.
+        return swap.Step(layout, self._pool, self._stream, self.stats, model.variables,
                          keras.tree.flatten(inputs))
 
 
