@@ -130,10 +130,7 @@ def main():
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--timeout", type=int, default=300)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    measure.child_arguments(parser, 300, variant=True)
     args = parser.parse_args()
     if args.child:
         return child(args)

@@ -141,9 +141,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=1,
                         help="epochs per fit; the last is timed (AutoVM calibrates "
                              "after each)")
-    parser.add_argument("--timeout", type=int, default=240)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    measure.child_arguments(parser, 240)
     args = parser.parse_args()
     if args.child:
         return child(args)

@@ -298,10 +298,7 @@ def main():
                              "incore, autovm and --policies")
     parser.add_argument("--cprofile", action="store_true",
                         help="a fourth epoch under cProfile")
-    parser.add_argument("--timeout", type=int, default=150)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    measure.child_arguments(parser, 150, variant=True)
     args = parser.parse_args()
     if args.child:
         return child(args)

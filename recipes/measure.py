@@ -1,6 +1,7 @@
 """What the GPU recipes share: a measurement run in its own process (nothing
 of an earlier run stays on the device), and a per-step timer."""
 
+import argparse
 import contextlib
 import json
 import os
@@ -13,6 +14,17 @@ RESULT = "RESULT "
 def report(result):
     """Prints a child's result as the one line `run_child` reads."""
     print(RESULT + json.dumps(result), flush=True)
+
+
+def child_arguments(parser, timeout, variant=False):
+    """Adds what a recipe that runs each measurement in a child process
+    takes: `--timeout` (seconds per child, default `timeout`), `--out`, and
+    the hidden `--child` (and `--variant`) the parent passes its children."""
+    parser.add_argument("--timeout", type=int, default=timeout)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    if variant:
+        parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
 
 
 def run_child(command, timeout, env=None, **identity):
