@@ -74,14 +74,24 @@ def save(results, out):
 
 
 @contextlib.contextmanager
-def backward_marks(torch):
+def backward_marks(torch, all_streams=True, arrival=False):
     """While open, every `Tensor.backward` call (Keras's torch step makes
     one) waits for the device before and after it and appends the two
-    times to the yielded list: a step's forward, backward and the rest."""
+    times to the yielded list: a step's forward, backward and the rest.
+    With `all_streams=False` it waits for the compute stream only, so
+    that copies still running on other streams are not counted where
+    they end but where compute waits for them. With `arrival`, the time
+    the call came, before the first wait, is appended first (three marks
+    a call): how long the device then took to catch up."""
     marks, backward = [], torch.Tensor.backward
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = lambda: None  # noqa: E731
+    if torch.cuda.is_available():
+        sync = (torch.cuda.synchronize if all_streams
+                else lambda: torch.cuda.current_stream().synchronize())
 
     def timed(tensor, *args, **kwargs):
+        if arrival:
+            marks.append(time.perf_counter())
         sync()
         marks.append(time.perf_counter())
         backward(tensor, *args, **kwargs)

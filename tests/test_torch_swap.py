@@ -484,3 +484,49 @@ def test_a_layer_backward_is_timed_less_what_the_timing_costs_a_call(monkeypatch
     assert timing.time_call(layer, (x,), {}, repeats=3) == (0.004, pytest.approx(0.003))
     monkeypatch.setattr(timing, "grad_call_s", lambda: 0.01)
     assert timing.time_call(layer, (x,), {}, repeats=3) == (0.004, 0.0)
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for", other.name))
+
+
+def test_each_step_orders_its_copies_to_host_after_the_copies_back_before_it():
+    # Both directions share the host pool's slices, and run on two streams.
+    from keras_autovm.mechanisms.torch import streams, swap
+
+    log = []
+    pair = streams.Streams(_FakeStream("to_host", log), _FakeStream("to_device", log))
+
+    class Layout:
+        max_in_flight = None
+
+    swap.Step(Layout(), None, pair, {}, [])
+    assert log == [("to_host", "waits for", "to_device")]
+    swap.Step(Layout(), None, None, {}, [])  # No CUDA: nothing to order.
+    assert len(log) == 1
+
+
+def test_backward_marks_waits_and_marks_each_backward_pass():
+    import importlib.util
+    import pathlib
+    import torch
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "recipes" / "measure.py"
+    spec = importlib.util.spec_from_file_location("measure", path)
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    original = torch.Tensor.backward
+    x = torch.ones(3, requires_grad=True)
+    with measure.backward_marks(torch, all_streams=False, arrival=True) as marks:
+        (x * 2).sum().backward()
+        (x * 3).sum().backward()
+    assert len(marks) == 6 and marks == sorted(marks)
+    with measure.backward_marks(torch) as marks:
+        (x * 2).sum().backward()
+    assert len(marks) == 2
+    assert torch.Tensor.backward is original
+    np.testing.assert_array_equal(x.grad.numpy(), [7.0, 7.0, 7.0])

@@ -19,6 +19,7 @@ from keras_autovm import internals as keras_internals
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.torch import internals
 from keras_autovm.mechanisms.torch import profile
+from keras_autovm.mechanisms.torch import streams
 from keras_autovm.mechanisms.torch import swap
 from keras_autovm.mechanisms.torch import timing
 
@@ -49,7 +50,7 @@ class TorchMechanism(Mechanism):
         self._layouts = {}  # AppliedPlan -> swap.Layout
         self._profiles = {}  # id(model) -> (model, what its layers save)
         self._pool = None
-        self._stream = None
+        self._streams = None
         self._step = None
         self._last_step = None  # A weak reference, for `release_memory`.
         self._forward = None  # The last training forward's (start, end) marks.
@@ -204,12 +205,12 @@ class TorchMechanism(Mechanism):
         if self._pool is None or self._pool.nbytes < need:
             self._pool = swap.HostPool(need, pinned=self.gpu_available())
         self._pool.used = 0
-        if self.gpu_available() and self._stream is None:
-            self._stream = torch.cuda.Stream()
+        if self.gpu_available() and self._streams is None:
+            self._streams = streams.Streams.shared()
         # The variables are read each step: a callback may add some mid-fit
         # (LoRA, quantization), and a weight taken for an activation could
         # be freed.
-        return swap.Step(layout, self._pool, self._stream, self.stats, model.variables,
+        return swap.Step(layout, self._pool, self._streams, self.stats, model.variables,
                          keras.tree.flatten(inputs))
 
 

@@ -13,8 +13,9 @@ itself, `profile.py`), the tensors autograd saved during that layer call
 that are no layer output:
 
 - after its producer runs, the storage is copied into a slice of one pinned
-  host buffer (`HostPool`, allocated once per fit) on a dedicated copy
-  stream ordered after the compute stream;
+  host buffer (`HostPool`, allocated once per fit) on a stream of its own
+  (`streams.Streams.to_host`, non-blocking: `streams.py` says why) ordered
+  after the compute stream;
 - after its last forward reader (for a layer's own saved tensors: at once),
   what autograd saved of it points at the host copy, and the GPU storage is
   handed back to torch's allocator with `record_stream` on the copy stream:
@@ -27,7 +28,11 @@ that are no layer output:
   gives up);
 - in backward, the copy back starts when the gradient reaches the output of
   the plan's prefetch op (a tensor hook), or at the latest when autograd
-  unpacks the tensor; the compute stream waits for it there;
+  unpacks the tensor; the compute stream waits for it there. Copies back
+  run on a second stream (`Streams.to_device`), after the tensor's own
+  copy to host: the link carries both directions at once, as the planner's
+  simulator assumes, so a copy back needed early in the backward does not
+  queue behind copies to host the forward left outstanding;
 - before each layer, the forward waits while more than the plan's
   `max_in_flight_bytes` of copies to host are outstanding.
 
@@ -77,13 +82,13 @@ class HostPool:
 
 
 class Copy:
-    """One swapped storage: its host copy and, in backward, the copy back."""
+    """One swapped storage: its host copy (done at the event `d2h`) and, in
+    backward, the copy back (done at `h2d`)."""
 
-    # The copy back is ordered after the copy out by the copy stream itself.
-    __slots__ = ("host", "nbytes", "device", "gpu", "h2d", "__weakref__")
+    __slots__ = ("host", "nbytes", "device", "d2h", "gpu", "h2d", "__weakref__")
 
-    def __init__(self, host, nbytes, device):
-        self.host, self.nbytes, self.device = host, nbytes, device
+    def __init__(self, host, nbytes, device, d2h=None):
+        self.host, self.nbytes, self.device, self.d2h = host, nbytes, device, d2h
         self.gpu = self.h2d = None
 
 
@@ -133,8 +138,10 @@ class Layout:
 class Step:
     """Frees, swaps and brings back layer outputs for one training step."""
 
-    def __init__(self, layout, pool, copy_stream, stats, weights, inputs=()):
-        self.layout, self.pool, self.stream, self.stats = layout, pool, copy_stream, stats
+    def __init__(self, layout, pool, streams, stats, weights, inputs=()):
+        self.layout, self.pool, self.streams, self.stats = layout, pool, streams, stats
+        if streams is not None:
+            streams.new_step()
         # Storages of the model's variables and of the batch: saved views of
         # them are left be (later layers may read the batch; on a CPU it can
         # be the caller's NumPy memory, which cannot be freed).
@@ -262,18 +269,19 @@ class Step:
             return
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         event = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self.stream):
+        if self.streams is not None:
+            stream = self.streams.to_host
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
                 host.copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self.stream)
+                event.record(stream)
             # The allocator reuses the block, once freed, after the copy.
-            flat.record_stream(self.stream)
+            flat.record_stream(stream)
             self.copying(event, storage.nbytes())
         else:
             host.copy_(flat)
-        self.copies[key] = Copy(host, storage.nbytes(), device)
+        self.copies[key] = Copy(host, storage.nbytes(), device, event)
         self.stats["bytes_to_host"] += storage.nbytes()
 
     def _release(self, tag):
@@ -351,12 +359,15 @@ class Step:
         """Starts copying `copy` back to its device (synchronous on a CPU)."""
         copy.gpu = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
         self.stats["bytes_to_device"] += copy.nbytes
-        if self.stream is None:
+        if self.streams is None:
             copy.gpu.copy_(copy.host)
             return
-        # The new block may still be read by queued compute: copy after it.
-        self.stream.wait_stream(torch.cuda.current_stream(copy.device))
-        with torch.cuda.stream(self.stream):
+        stream = self.streams.to_device
+        # The new block may still be read by queued compute: copy after it,
+        # and after the copy to host it reads.
+        stream.wait_stream(torch.cuda.current_stream(copy.device))
+        stream.wait_event(copy.d2h)
+        with torch.cuda.stream(stream):
             copy.gpu.copy_(copy.host, non_blocking=True)
             copy.h2d = torch.cuda.Event()
-            copy.h2d.record(self.stream)
+            copy.h2d.record(stream)
