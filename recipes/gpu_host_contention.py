@@ -22,6 +22,9 @@ process, the parts `--parts` names:
   between steps, outside the clock.
 - `calls`: the CPU time of each CUDA call a swap's copy to host makes
   (`swap.Step._copy_out`), alone, and of the whole sequence.
+- `enqueue`: the CPU's time to queue 8 GB of copies to host in 16 to 400
+  pieces (each after a wait for the compute stream, or not), against the
+  time they take to run: whether queuing copies holds the CPU up.
 - `split`: ways to train taking turns, one `fit` each (`--variants`):
   Keras's step (`incore`), AutoVM's plan for the in-core need over
   `--factor` (`autovm`), the same with its copies to host left out (its
@@ -219,6 +222,8 @@ def part_split(torch, link, args):
             if name.startswith("autovm"):
                 if name not in callbacks:
                     callbacks[name] = keras_autovm.AutoVM(budget=budget, verbose=0)
+                    if args.fixed_plan:  # Every AutoVM variant runs one plan.
+                        callbacks[name]._calibrate = lambda *a, **k: False
                 extra = [callbacks[name]]
             elif name == "incore_busy_link":
                 extra = [_BusyLink(keras, link, args.gb)]
@@ -455,6 +460,36 @@ def _queued(torch, side, sequence, repeats=200):
     return {"us": spent * 1e6, "compute_still_busy_after": busy}
 
 
+def part_enqueue(torch, total=8e9):
+    """Does queuing many copies to host hold the CPU up? `total` bytes as
+    `count` copies, queued on a non-blocking stream each after a wait for
+    the compute stream (as a swap queues them): the CPU's time to queue
+    them all against the time they took to run."""
+    from keras_autovm.mechanisms.torch import streams
+    side = streams.non_blocking_stream()
+    out = {}
+    for count in (16, 64, 200, 400):
+        size = int(total // count)
+        device = torch.empty(size * count, dtype=torch.uint8, device="cuda")
+        host = torch.empty(size * count, dtype=torch.uint8, pin_memory=True)
+        for wait in (False, True):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(count):
+                if wait:
+                    side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    host[i * size:(i + 1) * size].copy_(device[i * size:(i + 1) * size],
+                                                        non_blocking=True)
+            queued = time.perf_counter() - start
+            side.synchronize()
+            done = time.perf_counter() - start
+            out[f"{count}x{size >> 20}MiB" + ("_after_waits" if wait else "")] = {
+                "queue_ms": queued * 1e3, "done_ms": done * 1e3}
+        del device, host
+    return out
+
+
 def _enter_exit(torch, stream):
     with torch.cuda.stream(stream):
         pass
@@ -479,6 +514,9 @@ def main():
                         help="split: wait for the compute stream around each "
                              "backward pass and report the forward's Python, the "
                              "compute stream catching up, the backward and the rest")
+    parser.add_argument("--fixed-plan", action="store_true",
+                        help="split: AutoVM keeps its first plan (no calibration "
+                             "or replanning), so that its variants run the same plan")
     parser.add_argument("--parts", default="python,calls,step,split")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -498,6 +536,9 @@ def main():
     if "calls" in parts:
         results["calls_us"] = part_calls(torch)
         print("calls (us):", results["calls_us"], flush=True)
+    if "enqueue" in parts:
+        results["enqueue"] = part_enqueue(torch)
+        print("enqueue:", results["enqueue"], flush=True)
     if "step" in parts:
         results["step"] = part_step(torch, link, args)
         s = results["step"]
