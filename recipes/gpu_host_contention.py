@@ -22,17 +22,18 @@ process, the parts `--parts` names:
   between steps, outside the clock.
 - `calls`: the CPU time of each CUDA call a swap's copy to host makes
   (`swap.Step._copy_out`), alone, and of the whole sequence.
+- `reuse`: a copy back dropped unread while it runs, and zeros made at
+  once: whether they come out overwritten (AutoVM's `swap.Copy` marks
+  such a block with `record_stream`).
 - `enqueue`: the CPU's time to queue 8 GB of copies to host in 16 to 400
   pieces (each after a wait for the compute stream, or not), against the
   time they take to run: whether queuing copies holds the CPU up.
 - `split`: ways to train taking turns, one `fit` each (`--variants`):
   Keras's step (`incore`), AutoVM's plan for the in-core need over
   `--factor` (`autovm`), the same with its copies to host left out (its
-  Python without the link: `autovm_no_copies`), with copies back on
+  Python without the link: `autovm_no_copies`), or with copies back on
   the stream that copies to host (`autovm_one_stream`, as before each
-  direction had its own), or on two blocking `torch.cuda.Stream()`s
-  (`autovm_blocking_streams`, as before the streams were made
-  non-blocking), and Keras's step with `--gb` GB copied to host
+  direction had its own), and Keras's step with `--gb` GB copied to host
   from each step's start (the link without AutoVM's Python:
   `incore_busy_link`).
 """
@@ -188,7 +189,7 @@ def part_step(torch, link, args):
 
 
 VARIANTS = ("incore", "autovm", "autovm_no_copies", "autovm_one_stream",
-            "autovm_blocking_streams", "incore_busy_link")
+            "incore_busy_link")
 
 
 def part_split(torch, link, args):
@@ -332,39 +333,24 @@ def _copies_left_out(active):
 
 @contextlib.contextmanager
 def _streams_replaced(name):
-    """While open, AutoVM's torch step copies on other streams than its
-    own, for the variants that do: `autovm_one_stream` copies back on the
-    stream that copies to host (copies back queue behind copies to host),
-    `autovm_blocking_streams` on two `torch.cuda.Stream()`s, which the
-    legacy default stream waits for (as before the streams were made
-    non-blocking)."""
-    import torch
-
+    """While open, for `autovm_one_stream`, AutoVM's torch step copies back
+    on the stream that copies to host: copies back queue behind copies to
+    host, as before each direction had its own stream."""
     from keras_autovm.mechanisms.torch import streams as streams_lib
     from keras_autovm.mechanisms.torch import swap
     original = swap.Step.__init__
 
-    def replace(streams):
-        if name == "autovm_one_stream":
-            return streams_lib.Streams(streams.to_host, streams.to_host)
-        if not _BLOCKING:
-            _BLOCKING.append(streams_lib.Streams(torch.cuda.Stream(), torch.cuda.Stream()))
-        return _BLOCKING[0]
-
     def init(self, layout, pool, streams, *rest, **kwargs):
         if streams is not None:
-            streams = replace(streams)
+            streams = streams_lib.Streams(streams.to_host, streams.to_host)
         original(self, layout, pool, streams, *rest, **kwargs)
 
-    if name in ("autovm_one_stream", "autovm_blocking_streams"):
+    if name == "autovm_one_stream":
         swap.Step.__init__ = init
     try:
         yield
     finally:
         swap.Step.__init__ = original
-
-
-_BLOCKING = []
 
 
 def part_calls(torch, repeats=2000):
@@ -418,10 +404,10 @@ def part_calls(torch, repeats=2000):
             side.synchronize()
         out[name] = min(times) * 1e6
     out["whole_copy_out_queued_behind_compute"] = _queued(torch, side, sequence)
-    from keras_autovm.mechanisms.torch import streams
-    out["compute_behind_a_copy_ms"] = {
-        "torch.cuda.Stream": _compute_behind_copy(torch, side),
-        "non_blocking_stream": _compute_behind_copy(torch, streams.non_blocking_stream())}
+    # Twice: the first such copy in a process ran 78 ms where later ones
+    # ran in 0.1 ms (results/torch/host_contention/split_non_blocking.json).
+    out["compute_behind_a_copy_ms"] = [_compute_behind_copy(torch, side)
+                                       for _ in range(2)]
     return out
 
 
@@ -462,11 +448,10 @@ def _queued(torch, side, sequence, repeats=200):
 
 def part_enqueue(torch, total=8e9):
     """Does queuing many copies to host hold the CPU up? `total` bytes as
-    `count` copies, queued on a non-blocking stream each after a wait for
+    `count` copies, queued on a side stream each after a wait for
     the compute stream (as a swap queues them): the CPU's time to queue
     them all against the time they took to run."""
-    from keras_autovm.mechanisms.torch import streams
-    side = streams.non_blocking_stream()
+    side = torch.cuda.Stream()
     out = {}
     for count in (16, 64, 200, 400):
         size = int(total // count)
@@ -487,6 +472,44 @@ def part_enqueue(torch, total=8e9):
             out[f"{count}x{size >> 20}MiB" + ("_after_waits" if wait else "")] = {
                 "queue_ms": queued * 1e3, "done_ms": done * 1e3}
         del device, host
+    return out
+
+
+def part_reuse(torch, nbytes=2 << 30, tries=5):
+    """A copy back that no backward reads (its node did not run, or the
+    step was given up) is dropped while it still runs; a tensor of zeros
+    made at once must not get its block and then the copy's bytes. How
+    many tries of `tries` had zeros overwritten, as AutoVM does it
+    (`swap.Copy` marks such a block with `record_stream`) and without
+    that mark (as before 2026-11-27)."""
+    from keras_autovm.mechanisms.torch import streams, swap
+
+    class Layout:
+        max_in_flight = None
+
+    host = torch.full((nbytes,), 7, dtype=torch.uint8, pin_memory=True)
+    stats = {"bytes_to_device": 0}
+    marked = swap.Copy.__del__
+    out = {"tries": tries, "bytes": nbytes}
+    for name, mark in (("marked", marked), ("not_marked", lambda self: None)):
+        swap.Copy.__del__ = mark
+        try:
+            dirty = 0
+            for _ in range(tries):
+                torch.cuda.synchronize()
+                step = swap.Step(Layout(), None, streams.Streams.shared(), stats, [])
+                done = torch.cuda.Event()
+                done.record()
+                copy = swap.Copy(host, nbytes, torch.device("cuda"), done)
+                step.fetch(copy)
+                del copy  # Never unpacked: freed with its copy back running.
+                zeros = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+                torch.cuda.synchronize()
+                dirty += bool(zeros.any().item())
+                del zeros
+        finally:
+            swap.Copy.__del__ = marked
+        out[f"zeros_overwritten_{name}"] = dirty
     return out
 
 
@@ -536,6 +559,9 @@ def main():
     if "calls" in parts:
         results["calls_us"] = part_calls(torch)
         print("calls (us):", results["calls_us"], flush=True)
+    if "reuse" in parts:
+        results["reuse"] = part_reuse(torch)
+        print("reuse:", results["reuse"], flush=True)
     if "enqueue" in parts:
         results["enqueue"] = part_enqueue(torch)
         print("enqueue:", results["enqueue"], flush=True)

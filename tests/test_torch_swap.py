@@ -510,6 +510,30 @@ def test_each_step_orders_its_copies_to_host_after_the_copies_back_before_it():
     assert len(log) == 1
 
 
+def test_a_copy_back_dropped_unread_keeps_its_block_until_the_copy_is_done():
+    # Compute waited for a copy back it read; one it never read must be
+    # marked with `record_stream` on its stream as it is dropped, or the
+    # allocator could hand the block out while the copy still writes it.
+    from keras_autovm.mechanisms.torch import swap
+
+    class Block:
+        def __init__(self, log):
+            self.log = log
+
+        def record_stream(self, stream):
+            self.log.append(stream)
+
+    log = []
+    for read in (False, True):
+        copy = swap.Copy(None, 8, "cuda")
+        copy.gpu, copy.stream, copy.read = Block(log), "to_device", read
+        del copy
+    assert log == ["to_device"]
+    copy = swap.Copy(None, 8, "cpu")  # Never fetched: nothing to mark.
+    del copy
+    assert log == ["to_device"]
+
+
 def test_backward_marks_waits_and_marks_each_backward_pass():
     import importlib.util
     import pathlib

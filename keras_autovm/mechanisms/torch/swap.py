@@ -14,8 +14,7 @@ that are no layer output:
 
 - after its producer runs, the storage is copied into a slice of one pinned
   host buffer (`HostPool`, allocated once per fit) on a stream of its own
-  (`streams.Streams.to_host`, non-blocking: `streams.py` says why) ordered
-  after the compute stream;
+  (`streams.Streams.to_host`) ordered after the compute stream;
 - after its last forward reader (for a layer's own saved tensors: at once),
   what autograd saved of it points at the host copy, and the GPU storage is
   handed back to torch's allocator with `record_stream` on the copy stream:
@@ -83,13 +82,24 @@ class HostPool:
 
 class Copy:
     """One swapped storage: its host copy (done at the event `d2h`) and, in
-    backward, the copy back (done at `h2d`)."""
+    backward, the copy back (done at `h2d`, on `stream`)."""
 
-    __slots__ = ("host", "nbytes", "device", "d2h", "gpu", "h2d", "__weakref__")
+    __slots__ = ("host", "nbytes", "device", "d2h", "gpu", "h2d", "stream", "read",
+                 "__weakref__")
 
     def __init__(self, host, nbytes, device, d2h=None):
         self.host, self.nbytes, self.device, self.d2h = host, nbytes, device, d2h
-        self.gpu = self.h2d = None
+        self.gpu = self.h2d = self.stream = None
+        self.read = False  # Whether compute waited for the copy back.
+
+    def __del__(self):
+        # A copy back no backward read (its node did not run, or the step
+        # was given up) would go back to the allocator with nothing waiting
+        # for it: the block could be handed out, and written, while the
+        # copy still writes it. Those the compute stream waited for are
+        # ordered by that wait.
+        if self.gpu is not None and self.stream is not None and not self.read:
+            self.gpu.record_stream(self.stream)
 
 
 class Saved:
@@ -190,6 +200,7 @@ class Step:
             self.fetch(copy)
         if copy.h2d is not None:
             torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
+            copy.read = True
         dtype, offset, size, stride = handle.view
         view = torch.empty(0, dtype=dtype, device=copy.device)
         return view.set_(copy.gpu.untyped_storage(), offset, size, stride)
@@ -371,3 +382,4 @@ class Step:
             copy.gpu.copy_(copy.host, non_blocking=True)
             copy.h2d = torch.cuda.Event()
             copy.h2d.record(stream)
+        copy.stream = stream
