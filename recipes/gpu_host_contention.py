@@ -404,8 +404,8 @@ def part_calls(torch, repeats=2000):
             side.synchronize()
         out[name] = min(times) * 1e6
     out["whole_copy_out_queued_behind_compute"] = _queued(torch, side, sequence)
-    # Twice: the first such copy in a process ran 78 ms where later ones
-    # ran in 0.1 ms (results/torch/host_contention/split_non_blocking.json).
+    # Twice: behind the first such copy in a process the kernel took 78
+    # ms, behind the second 0.07 ms (results/torch/host_contention/reuse.json).
     out["compute_behind_a_copy_ms"] = [_compute_behind_copy(torch, side)
                                        for _ in range(2)]
     return out
