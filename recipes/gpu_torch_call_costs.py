@@ -15,10 +15,15 @@ for each variant:
 
 - `functions_ms`: the wall time per step inside `swap.Step`'s methods
   (inclusive: `layer_done` holds `_copy_out` and `_free`), and how often
-  each ran, from perf_counter wrappers (about a microsecond each);
+  each ran, from perf_counter wrappers (about a microsecond each), over
+  every epoch of the last round (the profiled ones too);
 - `calls`: one step under `torch.profiler` (CPU and CUDA activity): each
   operator's and CUDA runtime call's count and self CPU time, the most
   costly first, and, for `autovm`, what it adds to `autovm_no_copies`;
+- `python_top`, `python_added_by_autovm`, `python_added_by_copies`
+  (`--cprofile`): the same for Python's functions, their own time per
+  step under cProfile, from one more epoch (the main thread's: on a GPU
+  the backward runs on autograd's device thread, inside `run_backward`);
 - `step_collections`: Python's collections inside those fits' timed
   steps (the profiled epoch's not counted), by generation, with their
   seconds.
@@ -157,19 +162,48 @@ def profiler_callback(keras, torch, step, out):
     return Profile()
 
 
-def top(events, n):
-    ranked = sorted(events.items(), key=lambda kv: -kv[1]["self_cpu_ms"])
+def cprofile_callback(keras, out):
+    """Runs every step of the epoch but the first under cProfile and
+    stores, per Python function, its calls and own and cumulative
+    milliseconds per step in `out` (cProfile inflates them all)."""
+    import cProfile
+    import pstats
+
+    class Profile(keras.callbacks.Callback):
+        profile, steps = cProfile.Profile(), 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch:
+                self.steps += 1
+                self.profile.enable()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch:
+                self.profile.disable()
+
+        def on_train_end(self, logs=None):
+            stats = pstats.Stats(self.profile).stats
+            for (path, line, function), (_, calls, own, cumulative, _) in stats.items():
+                where = "/".join(path.split("/")[-3:])
+                out[f"{where}:{line}:{function}"] = {
+                    "count": calls / self.steps, "tottime_ms": own / self.steps * 1e3,
+                    "cumtime_ms": cumulative / self.steps * 1e3}
+
+    return Profile()
+
+
+def top(events, n, key="self_cpu_ms"):
+    ranked = sorted(events.items(), key=lambda kv: -kv[1][key])
     return dict(ranked[:n])
 
 
-def added(events, base, n):
+def added(events, base, n, key="self_cpu_ms"):
     """What `events` spends beyond `base`, by event, the most first."""
     names = set(events) | set(base)
-    zero = {"count": 0, "self_cpu_ms": 0.0}
+    zero = {"count": 0, key: 0.0}
     diff = {k: {"count": events.get(k, zero)["count"] - base.get(k, zero)["count"],
-                "self_cpu_ms": events.get(k, zero)["self_cpu_ms"]
-                - base.get(k, zero)["self_cpu_ms"]} for k in names}
-    return top(diff, n)
+                key: events.get(k, zero)[key] - base.get(k, zero)[key]} for k in names}
+    return top(diff, n, key)
 
 
 def dispatch_us(torch, a, n):
@@ -308,6 +342,7 @@ def run(args):
     calls = {name: {} for name in variants}
     gcs = {name: collections.Counter() for name in variants}
     peaks = {name: [] for name in variants}  # Each fit's, after the first round.
+    pythons = {name: {} for name in variants}
     for turn in range(args.rounds):
         last = turn == args.rounds - 1
         for name in variants:
@@ -330,6 +365,10 @@ def run(args):
                     models[name].fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
                                      verbose=0, callbacks=extra + [profiler_callback(
                                          keras, torch, args.steps - 2, calls[name])])
+                if last and args.cprofile:  # And one with its steps under cProfile.
+                    models[name].fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
+                                     verbose=0, callbacks=extra + [cprofile_callback(
+                                         keras, pythons[name])])
             if budget is None:  # The in-core need, from the first in-core fit.
                 need = torch.cuda.max_memory_allocated() - gpu_overhead.variable_bytes(
                     models["incore"])
@@ -338,7 +377,7 @@ def run(args):
                 times[name].append(timer.times[1:])
                 peaks[name].append(torch.cuda.max_memory_allocated())
             if last:
-                steps = args.steps * (args.epochs + 1)
+                steps = args.steps * (args.epochs + 1 + args.cprofile)  # Every epoch's.
                 functions[name] = {k: {"calls_per_step": c / steps, "ms_per_step": s / steps * 1e3}
                                    for k, (c, s) in totals.items()}
     medians = {n: statistics.median(t for run in times[n] for t in run) for n in variants}
@@ -356,6 +395,11 @@ def run(args):
                                            args.top),
             "calls_added_by_autovm": added(calls["autovm_no_copies"].get("events", {}),
                                            calls["incore"].get("events", {}), args.top),
+            "python_top": {n: top(pythons[n], args.top, "tottime_ms") for n in variants},
+            "python_added_by_autovm": added(pythons["autovm_no_copies"], pythons["incore"],
+                                            args.top, "tottime_ms"),
+            "python_added_by_copies": added(pythons["autovm"], pythons["autovm_no_copies"],
+                                            args.top, "tottime_ms"),
             "autovm": {n: {"counts": c.plan.counts(), "stats": c.report.stats}
                        for n, c in callbacks.items()}}
 
@@ -368,6 +412,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--factor", type=float, default=3.0)
+    parser.add_argument("--cprofile", action="store_true",
+                        help="steps: in the last round, one more epoch per variant "
+                             "under cProfile (functions' own time per step)")
     parser.add_argument("--top", type=int, default=30,
                         help="how many profiler events to keep per list")
     parser.add_argument("--variants", default=",".join(VARIANTS[:3]),
@@ -405,6 +452,9 @@ def main():
     for key in ("calls_added_by_copies", "calls_added_by_autovm"):
         print(key, {k: (v["count"], round(v["self_cpu_ms"], 1))
                     for k, v in list(results[key].items())[:15]}, flush=True)
+    for key in ("python_added_by_autovm", "python_added_by_copies"):
+        print(key, {k: (round(v["count"]), round(v["tottime_ms"], 1))
+                    for k, v in list(results[key].items())[:20]}, flush=True)
     measure.save(results, args.out)
 
 
