@@ -24,6 +24,8 @@ for each variant:
   (`--cprofile`): the same for Python's functions, their own time per
   step under cProfile, from one more epoch (the main thread's: on a GPU
   the backward runs on autograd's device thread, inside `run_backward`);
+- `threads_busy`: the busiest threads of the process over the last
+  round's timed fit, each as its share of one CPU (from /proc);
 - `step_collections`: Python's collections inside those fits' timed
   steps (the profiled epoch's not counted), by generation, with their
   seconds.
@@ -160,6 +162,43 @@ def profiler_callback(keras, torch, step, out):
                     for e in self.profile.key_averages()}
 
     return Profile()
+
+
+def thread_cpu():
+    """{thread id: [name, seconds of CPU so far]} for each of the
+    process's threads (Linux's /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # The thread ended.
+            continue
+        threads[tid] = [name, (int(fields[11]) + int(fields[12])) / ticks]
+    return threads
+
+
+def threads_busy(before, after, seconds, n=8):
+    """The `n` threads that used the most CPU between two `thread_cpu`
+    readings, as a share of `seconds` of wall time."""
+    used = {f"{tid} {name}": round((cpu - before.get(tid, [name, 0.0])[1]) / seconds, 3)
+            for tid, (name, cpu) in after.items()}
+    return dict(sorted(used.items(), key=lambda kv: -kv[1])[:n])
+
+
+def siblings():
+    """Each CPU's hyperthread siblings, as Linux lists them."""
+    base = "/sys/devices/system/cpu"
+    found = set()
+    for name in os.listdir(base):
+        path = f"{base}/{name}/topology/thread_siblings_list"
+        if name[3:].isdigit() and os.path.exists(path):
+            with open(path) as f:
+                found.add(f.read().strip())
+    return sorted(found)
 
 
 def cprofile_callback(keras, out):
@@ -343,6 +382,7 @@ def run(args):
     gcs = {name: collections.Counter() for name in variants}
     peaks = {name: [] for name in variants}  # Each fit's, after the first round.
     pythons = {name: {} for name in variants}
+    busy = {}  # Each thread's share of a CPU over the last round's timed fit.
     for turn in range(args.rounds):
         last = turn == args.rounds - 1
         for name in variants:
@@ -359,8 +399,12 @@ def run(args):
                     gc_quiet(name.endswith("_gc_quiet")), \
                     timed_methods(totals):
                 counted = step_collections(keras, gcs[name] if last else collections.Counter())
+                before, start = thread_cpu(), time.perf_counter()
                 models[name].fit(x, y, batch_size=args.batch, epochs=args.epochs,
                                  shuffle=False, verbose=0, callbacks=extra + [timer, counted])
+                if last:
+                    busy[name] = threads_busy(before, thread_cpu(),
+                                              time.perf_counter() - start)
                 if last:  # One more epoch, a step of it profiled.
                     models[name].fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
                                      verbose=0, callbacks=extra + [profiler_callback(
@@ -387,6 +431,7 @@ def run(args):
             "ratio_to_incore": {n: medians["incore"] / medians[n] for n in variants[1:]},
             "functions_ms": functions,
             "peak_allocated_bytes": peaks,
+            "threads_busy": busy,
             "step_collections": {n: {str(k): v for k, v in c.items()} for n, c in gcs.items()},
             "profiled_step_ms": {n: calls[n].get("step_ms") for n in variants},
             "calls_top": {n: top(calls[n].get("events", {}), args.top) for n in variants},
@@ -432,7 +477,7 @@ def main():
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv),
                "versions": gpu_swap.versions("torch"),
-               "host": contention.host_facts(torch)}
+               "host": dict(contention.host_facts(torch), siblings=siblings())}
     if "dispatch" in args.parts:
         results["dispatch"] = part_dispatch(torch, args.rounds * 2)
         print("dispatch:", results["dispatch"]["median_us"], results["dispatch"]["ratio_to_alone"],
