@@ -31,7 +31,15 @@ for each variant:
   seconds.
 
 `--parts dispatch` first times small torch calls alone and while the link
-copies to and from pinned host memory (`part_dispatch`).
+copies to and from pinned host memory (`part_dispatch`); `--parts
+pattern` times a loop shaped like a swapped forward pass with its copies
+and without (`part_pattern`).
+
+AutoVM's budget is the in-core need (the first in-core fit's peak less
+every variant's weights) over `--factor`. Until 2026-11-27 23:15 only the
+in-core model's weights were taken off, so the budgets in the files made
+before then are higher by the other variants' weights (about 0.24 GB each
+for ResNet-152).
 """
 
 import argparse
@@ -232,6 +240,7 @@ def cprofile_callback(keras, out):
 
 
 def top(events, n, key="self_cpu_ms"):
+    """The `n` events that spend the most `key`."""
     ranked = sorted(events.items(), key=lambda kv: -kv[1][key])
     return dict(ranked[:n])
 
@@ -341,6 +350,8 @@ def pattern_ms(torch, mode, pool, layers=800, every=5, work=40, nbytes=40 << 20)
 
 
 def _pattern_stream(torch, cache={}):
+    # One side stream, made once, for every loop: as `swap.Step` copies on
+    # one stream per process.
     return cache.setdefault("side", torch.cuda.Stream())
 
 
@@ -359,6 +370,60 @@ def part_pattern(torch, rounds, layers=800, every=5, nbytes=40 << 20):
             "copies": layers // every, "copy_bytes": nbytes}
 
 
+class Record:
+    """What the turns of one run gather, per variant."""
+
+    def __init__(self, variants):
+        self.times = {n: [] for n in variants}  # Each fit's steps, after round one.
+        self.peaks = {n: [] for n in variants}  # Each fit's peak, after round one.
+        self.functions, self.busy = {}, {}  # The last round's.
+        self.calls = {n: {} for n in variants}
+        self.pythons = {n: {} for n in variants}
+        self.collections = {n: collections.Counter() for n in variants}
+        self.callbacks, self.budget = {}, None
+
+
+def turn(args, modules, record, name, model, data, turn_index):
+    """One variant's fit of `--epochs`, and, in the last round, its
+    profiled epochs; records what `Record` holds."""
+    keras, torch, keras_autovm = modules
+    last = turn_index == args.rounds - 1
+    extra = []
+    if name.startswith("autovm"):
+        if name not in record.callbacks:
+            record.callbacks[name] = keras_autovm.AutoVM(budget=record.budget, verbose=0)
+            record.callbacks[name]._calibrate = lambda *a, **k: False  # One plan.
+        extra = [record.callbacks[name]]
+    timer = measure.step_timer(keras)
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    counted = step_collections(keras, record.collections[name] if last
+                               else collections.Counter())
+    torch.cuda.reset_peak_memory_stats()
+    fit = functools.partial(model.fit, *data, batch_size=args.batch, shuffle=False, verbose=0)
+    with contention._copies_left_out(name == "autovm_no_copies"), \
+            gc_quiet(name.endswith("_gc_quiet")), timed_methods(totals):
+        before, start = thread_cpu(), time.perf_counter()
+        fit(epochs=args.epochs, callbacks=extra + [timer, counted])
+        if last:
+            record.busy[name] = threads_busy(before, thread_cpu(),
+                                             time.perf_counter() - start)
+            # One more epoch with a step under torch's profiler, and one
+            # under cProfile: inside the wrappers, whose totals count them.
+            fit(epochs=1, callbacks=extra + [profiler_callback(
+                keras, torch, args.steps - 2, record.calls[name])])
+            if args.cprofile:
+                fit(epochs=1, callbacks=extra + [cprofile_callback(
+                    keras, record.pythons[name])])
+    if turn_index:
+        record.times[name].append(timer.times[1:])
+        record.peaks[name].append(torch.cuda.max_memory_allocated())
+    if last:
+        steps = args.steps * (args.epochs + 1 + args.cprofile)  # Every epoch's.
+        record.functions[name] = {
+            k: {"calls_per_step": c / steps, "ms_per_step": s / steps * 1e3}
+            for k, (c, s) in totals.items()}
+
+
 def run(args):
     import gpu_overhead
     import gpu_swap
@@ -368,85 +433,54 @@ def run(args):
 
     import keras_autovm
     variants = args.variants.split(",")
-    if variants[:3] != list(VARIANTS[:3]) or not set(variants) <= set(VARIANTS):
-        raise SystemExit(f"--variants must start with {','.join(VARIANTS[:3])} and name only "
-                         f"{VARIANTS}; got {args.variants!r}")
+    if (variants[:3] != list(VARIANTS[:3]) or not set(variants) <= set(VARIANTS)
+            or len(set(variants)) != len(variants)):
+        raise SystemExit(f"--variants must start with {','.join(VARIANTS[:3])} and name "
+                         f"only {VARIANTS}, each once; got {args.variants!r}")
     models = {name: gpu_swap.build(args.model) for name in variants}
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch * args.steps, 224, 224, 3)).astype("float32")
-    y = rng.integers(0, 1000, args.batch * args.steps)
-    callbacks, budget = {}, None
-    times = {name: [] for name in variants}
-    functions = {name: collections.defaultdict(lambda: [0, 0.0]) for name in variants}
-    calls = {name: {} for name in variants}
-    gcs = {name: collections.Counter() for name in variants}
-    peaks = {name: [] for name in variants}  # Each fit's, after the first round.
-    pythons = {name: {} for name in variants}
-    busy = {}  # Each thread's share of a CPU over the last round's timed fit.
-    for turn in range(args.rounds):
-        last = turn == args.rounds - 1
+    data = (rng.normal(size=(args.batch * args.steps, 224, 224, 3)).astype("float32"),
+            rng.integers(0, 1000, args.batch * args.steps))
+    record = Record(variants)
+    for turn_index in range(args.rounds):
         for name in variants:
-            extra = []
-            if name.startswith("autovm"):
-                if name not in callbacks:
-                    callbacks[name] = keras_autovm.AutoVM(budget=budget, verbose=0)
-                    callbacks[name]._calibrate = lambda *a, **k: False  # One plan.
-                extra = [callbacks[name]]
-            timer = measure.step_timer(keras)
-            totals = collections.defaultdict(lambda: [0, 0.0])
-            torch.cuda.reset_peak_memory_stats()
-            with contention._copies_left_out(name == "autovm_no_copies"), \
-                    gc_quiet(name.endswith("_gc_quiet")), \
-                    timed_methods(totals):
-                counted = step_collections(keras, gcs[name] if last else collections.Counter())
-                before, start = thread_cpu(), time.perf_counter()
-                models[name].fit(x, y, batch_size=args.batch, epochs=args.epochs,
-                                 shuffle=False, verbose=0, callbacks=extra + [timer, counted])
-                if last:
-                    busy[name] = threads_busy(before, thread_cpu(),
-                                              time.perf_counter() - start)
-                if last:  # One more epoch, a step of it profiled.
-                    models[name].fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
-                                     verbose=0, callbacks=extra + [profiler_callback(
-                                         keras, torch, args.steps - 2, calls[name])])
-                if last and args.cprofile:  # And one with its steps under cProfile.
-                    models[name].fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
-                                     verbose=0, callbacks=extra + [cprofile_callback(
-                                         keras, pythons[name])])
-            if budget is None:  # The in-core need, from the first in-core fit.
-                need = torch.cuda.max_memory_allocated() - gpu_overhead.variable_bytes(
-                    models["incore"])
-                budget = int(need / args.factor)
-            if turn:
-                times[name].append(timer.times[1:])
-                peaks[name].append(torch.cuda.max_memory_allocated())
-            if last:
-                steps = args.steps * (args.epochs + 1 + args.cprofile)  # Every epoch's.
-                functions[name] = {k: {"calls_per_step": c / steps, "ms_per_step": s / steps * 1e3}
-                                   for k, (c, s) in totals.items()}
-    medians = {n: statistics.median(t for run in times[n] for t in run) for n in variants}
+            turn(args, (keras, torch, keras_autovm), record, name, models[name], data,
+                 turn_index)
+            if record.budget is None:  # The in-core need, from the first in-core fit:
+                # every variant's model is on the device by then.
+                weights = sum(gpu_overhead.variable_bytes(m) for m in models.values())
+                need = torch.cuda.max_memory_allocated() - weights
+                record.budget = int(need / args.factor)
+    return summary(args, variants, record)
+
+
+def summary(args, variants, record):
+    medians = {n: statistics.median(t for run in record.times[n] for t in run)
+               for n in variants}
+    calls = {n: record.calls[n].get("events", {}) for n in variants}
+    pythons = record.pythons
     return {"model": args.model, "batch": args.batch, "factor": args.factor,
-            "budget_bytes": budget,
+            "budget_bytes": record.budget,
             "median_step_ms": {n: m * 1e3 for n, m in medians.items()},
             "ratio_to_incore": {n: medians["incore"] / medians[n] for n in variants[1:]},
-            "functions_ms": functions,
-            "peak_allocated_bytes": peaks,
-            "threads_busy": busy,
-            "step_collections": {n: {str(k): v for k, v in c.items()} for n, c in gcs.items()},
-            "profiled_step_ms": {n: calls[n].get("step_ms") for n in variants},
-            "calls_top": {n: top(calls[n].get("events", {}), args.top) for n in variants},
-            "calls_added_by_copies": added(calls["autovm"].get("events", {}),
-                                           calls["autovm_no_copies"].get("events", {}),
+            "functions_ms": record.functions,
+            "peak_allocated_bytes": record.peaks,
+            "threads_busy": record.busy,
+            "step_collections": {n: {str(k): v for k, v in c.items()}
+                                 for n, c in record.collections.items()},
+            "profiled_step_ms": {n: record.calls[n].get("step_ms") for n in variants},
+            "calls_top": {n: top(calls[n], args.top) for n in variants},
+            "calls_added_by_copies": added(calls["autovm"], calls["autovm_no_copies"],
                                            args.top),
-            "calls_added_by_autovm": added(calls["autovm_no_copies"].get("events", {}),
-                                           calls["incore"].get("events", {}), args.top),
+            "calls_added_by_autovm": added(calls["autovm_no_copies"], calls["incore"],
+                                           args.top),
             "python_top": {n: top(pythons[n], args.top, "tottime_ms") for n in variants},
             "python_added_by_autovm": added(pythons["autovm_no_copies"], pythons["incore"],
                                             args.top, "tottime_ms"),
             "python_added_by_copies": added(pythons["autovm"], pythons["autovm_no_copies"],
                                             args.top, "tottime_ms"),
             "autovm": {n: {"counts": c.plan.counts(), "stats": c.report.stats}
-                       for n, c in callbacks.items()}}
+                       for n, c in record.callbacks.items()}}
 
 
 def main():
@@ -467,6 +501,7 @@ def main():
                              f"(the first three first)")
     parser.add_argument("--parts", default="dispatch,pattern,steps",
                         help="dispatch: small torch calls with the link busy and not; "
+                             "pattern: a swap-shaped loop with copies and without; "
                              "steps: the variants' steps, timed and profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
