@@ -36,10 +36,10 @@ pattern` times a loop shaped like a swapped forward pass with its copies
 and without (`part_pattern`).
 
 AutoVM's budget is the in-core need (the first in-core fit's peak less
-every variant's weights) over `--factor`. Until 2026-11-27 23:15 only the
-in-core model's weights were taken off, so the budgets in the files made
-before then are higher by the other variants' weights (about 0.24 GB each
-for ResNet-152).
+every variant's weights) over `--factor`. The files now in
+results/torch/call_costs/ were made while only the in-core model's weights
+were taken off, so their budgets are higher by the other variants' weights
+(about 0.24 GB each for ResNet-152).
 """
 
 import argparse
