@@ -334,12 +334,16 @@ def pattern_ms(torch, mode, pool, layers=800, every=5, work=40, nbytes=40 << 20)
         if mode == "none":
             continue
         host = pool[(i // every) * nbytes:(i // every + 1) * nbytes]
+        # The calls of `swap.Step._copy_out`, written out as
+        # gpu_host_contention.py's `part_calls` does: a timed mimic, not a
+        # helper shared with the package (a call into it would add its own
+        # Python to what is timed).
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        events.append(event)
+        events.append(event)  # Held to the end, as `swap.Step` holds its in flight.
         if mode == "copy":
             out.record_stream(side)
         else:
