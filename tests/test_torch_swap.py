@@ -493,6 +493,83 @@ class _FakeStream:
     def wait_stream(self, other):
         self.log.append((self.name, "waits for", other.name))
 
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for", event.name, event.recorded))
+
+
+class _FakeEvent:
+    made = 0
+
+    def __init__(self):
+        _FakeEvent.made += 1
+        self.name, self.recorded = f"event {_FakeEvent.made}", None
+
+    def record(self, stream):
+        self.recorded = stream.name
+
+
+def test_each_copy_waits_for_compute_through_one_event_per_stream_recorded_again():
+    # `wait_stream` made an event per copy: hundreds a step.
+    from keras_autovm.mechanisms.torch import streams
+
+    log, _FakeEvent.made = [], 0
+    pair = streams.Streams(_FakeStream("to_host", log), _FakeStream("to_device", log),
+                           event=_FakeEvent)
+    compute, other = _FakeStream("compute", log), _FakeStream("other", log)
+    pair.order_after(pair.to_host, compute)
+    pair.order_after(pair.to_host, other)
+    pair.order_after(pair.to_device, compute)
+    # Each wait sees its event as last recorded, on the stream waited for.
+    assert log == [("to_host", "waits for", "event 1", "compute"),
+                   ("to_host", "waits for", "event 1", "other"),
+                   ("to_device", "waits for", "event 2", "compute")]
+    assert _FakeEvent.made == 2
+
+
+def test_copies_run_on_their_stream_and_the_stream_before_comes_back(monkeypatch):
+    import torch
+    from keras_autovm.mechanisms.torch import streams
+
+    current = ["compute"]
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.append(s))
+
+    def work():
+        assert current[-1] == "copies"
+        raise RuntimeError("a copy failed")
+
+    with pytest.raises(RuntimeError, match="a copy failed"):
+        streams.Streams.run_on("copies", work, "compute")
+    assert current == ["compute", "copies", "compute"]
+    assert streams.Streams.run_on("copies", lambda: 7, "compute") == 7
+
+
+def test_compute_waits_once_per_copy_back_however_many_handles_share_it(monkeypatch):
+    # Autograd saved one swapped storage three times (a layer output read by
+    # three backward nodes): one wait orders them all on the one stream.
+    import torch
+    from keras_autovm.mechanisms.torch import swap
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: _FakeStream("compute", log))
+
+    class Layout:
+        max_in_flight = None
+
+    step = swap.Step(Layout(), None, None, {}, [])
+    copy = swap.Copy(torch.zeros(16, dtype=torch.uint8), 16, "cpu")
+    copy.gpu, copy.h2d = torch.arange(16, dtype=torch.uint8), _FakeEvent()
+    copy.h2d.record(_FakeStream("to_device", log))
+    handles = []
+    for offset in (0, 4, 8):
+        handle = swap.Saved(copy.gpu[offset:offset + 4])
+        handle.to_copy(copy)
+        handles.append(handle)
+    views = [step.unpack(h) for h in handles]
+    assert [v.tolist() for v in views] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert log == [("compute", "waits for", copy.h2d.name, "to_device")]
+    assert copy.read
+
 
 def test_each_step_orders_its_copies_to_host_after_the_copies_back_before_it():
     # Both directions share the host pool's slices, and run on two streams.

@@ -15,8 +15,36 @@ import torch
 class Streams:
     """The copy streams of a fit: to host, and back to the device."""
 
-    def __init__(self, to_host, to_device):
+    def __init__(self, to_host, to_device, event=None):
         self.to_host, self.to_device = to_host, to_device
+        self._event = event or torch.cuda.Event  # Makes an event.
+        self._marks = {}  # id(stream) -> the event `order_after` records again
+
+    def order_after(self, stream, other):
+        """Work queued on `stream` from now on runs after the work `other`
+        has queued so far.
+
+        `stream.wait_stream(other)` makes a new event each call; a swap
+        orders each copy after the compute that made or freed its block,
+        hundreds of times a step. The wait takes the event as last
+        recorded, so one event per stream, recorded again each time, does.
+        """
+        mark = self._marks.get(id(stream))
+        if mark is None:
+            mark = self._marks[id(stream)] = self._event()
+        mark.record(other)
+        stream.wait_event(mark)
+
+    @staticmethod
+    def run_on(stream, work, back):
+        """`work()` with `stream` current, then `back` current again: what
+        `torch.cuda.stream(stream)` does, without looking up the current
+        stream, which makes a Python `Stream` each time."""
+        torch.cuda.set_stream(stream)
+        try:
+            return work()
+        finally:
+            torch.cuda.set_stream(back)
 
     @classmethod
     def shared(cls):

@@ -166,6 +166,7 @@ class Step:
         self.pending = []  # (key, storage) saved since the last layer call
         self.done = set()  # tags past their last forward reader
         self.cursor = 0
+        self._compute = None  # The forward's stream, looked up once.
         self.in_flight = collections.deque()  # (event, nbytes)
         self.in_flight_bytes = 0
         # tag -> weak references to its copies, for the prefetch hooks: the
@@ -198,7 +199,10 @@ class Step:
         if copy.gpu is None:
             self.stats["copy_backs_at_use"] += 1
             self.fetch(copy)
-        if copy.h2d is not None:
+        if copy.h2d is not None and not copy.read:
+            # Once per copy: the handles sharing it are unpacked on the one
+            # stream the step computes on (autograd runs a node's backward
+            # on its forward's stream), which keeps the wait's order.
             torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
             copy.read = True
         dtype, offset, size, stride = handle.view
@@ -281,12 +285,10 @@ class Step:
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         event = None
         if self.streams is not None:
-            stream = self.streams.to_host
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            stream, compute = self.streams.to_host, self._compute_stream(device)
+            self.streams.order_after(stream, compute)
+            event = self.streams.run_on(stream, lambda: _copy_and_mark(host, flat, stream),
+                                        compute)
             # The allocator reuses the block, once freed, after the copy.
             flat.record_stream(stream)
             self.copying(event, storage.nbytes())
@@ -294,6 +296,11 @@ class Step:
             host.copy_(flat)
         self.copies[key] = Copy(host, storage.nbytes(), device, event)
         self.stats["bytes_to_host"] += storage.nbytes()
+
+    def _compute_stream(self, device):
+        if self._compute is None:
+            self._compute = torch.cuda.current_stream(device)
+        return self._compute
 
     def _release(self, tag):
         """Frees a tag's storage once no forward reader of any tensor on it
@@ -373,13 +380,20 @@ class Step:
         if self.streams is None:
             copy.gpu.copy_(copy.host)
             return
-        stream = self.streams.to_device
+        stream, compute = self.streams.to_device, torch.cuda.current_stream(copy.device)
         # The new block may still be read by queued compute: copy after it,
         # and after the copy to host it reads.
-        stream.wait_stream(torch.cuda.current_stream(copy.device))
+        self.streams.order_after(stream, compute)
         stream.wait_event(copy.d2h)
-        with torch.cuda.stream(stream):
-            copy.gpu.copy_(copy.host, non_blocking=True)
-            copy.h2d = torch.cuda.Event()
-            copy.h2d.record(stream)
+        copy.h2d = self.streams.run_on(
+            stream, lambda: _copy_and_mark(copy.gpu, copy.host, stream), compute)
         copy.stream = stream
+
+
+def _copy_and_mark(target, source, stream):
+    """Queues `target.copy_(source)` on the current stream, `stream`; the
+    event marking its end."""
+    target.copy_(source, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
