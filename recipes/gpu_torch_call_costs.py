@@ -28,7 +28,14 @@ for each variant:
   round's timed fit, each as its share of one CPU (from /proc);
 - `step_collections`: Python's collections inside those fits' timed
   steps (the profiled epoch's not counted), by generation, with their
-  seconds.
+  seconds;
+- `allocator_per_step`: how far the caching allocator's counters moved
+  per step in those fits (`ALLOCATOR_COUNTERS`; each fit's first step
+  left out).
+
+More variants take AutoVM apart, one part at a time (`ablation`):
+`incore_views`, `incore_hooks`, `autovm_keep_hooks`; `incore_gc_quiet`
+and `autovm_gc_quiet` raise Python's first collection threshold.
 
 `--parts dispatch` first times small torch calls alone and while the link
 copies to and from pinned host memory (`part_dispatch`); `--parts
@@ -61,7 +68,15 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import gpu_host_contention as contention  # noqa: E402 -- recipes/, on the path above
 import measure  # noqa: E402
 
-VARIANTS = ("incore", "autovm", "autovm_no_copies", "incore_gc_quiet", "autovm_gc_quiet")
+VARIANTS = ("incore", "autovm", "autovm_no_copies", "incore_gc_quiet", "autovm_gc_quiet",
+            "incore_views", "incore_hooks", "autovm_keep_hooks")
+# The caching allocator's counters read around each timed step of the last
+# round: device allocations and frees (cudaMalloc/cudaFree, or mapping and
+# unmapping with expandable segments) and waits on every stream, which cost
+# the CPU far more than a cached block.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                      "num_device_free", "allocation.all.allocated",
+                      "segment.all.allocated", "segment.all.freed")
 QUIET = 200_000  # Python's first collection threshold in the `_gc_quiet` variants.
 TIMED = ("pack", "unpack", "layer_done", "_copy_out", "_free", "_release",
          "_bound_in_flight", "_swap_internal", "fetch", "forward_done")
@@ -130,6 +145,56 @@ def step_collections(keras, counter):
             self.inside = False
 
     return StepCollections()
+
+
+@contextlib.contextmanager
+def ablation(name):
+    """While open, what variant `name` adds to Keras's step, one part of
+    AutoVM at a time: `incore_views` runs Keras's convolutions and max
+    pooling on views of their inputs (AutoVM does for its whole fit);
+    `incore_hooks` that and saved-tensor hooks that hand autograd's tensors
+    back unchanged around each training forward; `autovm_keep_hooks` is
+    AutoVM keeping every output but run under its hooks (it frees what no
+    backward reads) instead of leaving the step unchanged."""
+    import torch
+
+    from keras_autovm import internals
+    from keras_autovm.mechanisms.torch import mechanism
+    with contextlib.ExitStack() as stack:
+        if name in ("incore_views", "incore_hooks"):
+            stack.enter_context(internals.torch_inputs_on_views())
+        if name == "incore_hooks":
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t))
+        if name == "autovm_keep_hooks":
+            # Planned as if an unchanged step freed nothing, so a keep-all
+            # plan runs under the hooks; set back before the next turn.
+            stack.callback(setattr, mechanism.TorchMechanism, "holds_outputs",
+                           mechanism.TorchMechanism.holds_outputs)
+            mechanism.TorchMechanism.holds_outputs = False
+        yield
+
+
+def step_allocator(keras, torch, totals):
+    """A callback adding, in `totals`, how much each of the allocator's
+    `ALLOCATOR_COUNTERS` moved inside training steps, the first step of
+    each fit left out (`totals["steps"]`: how many steps were counted)."""
+
+    def counters():
+        stats = torch.cuda.memory_stats()
+        return collections.Counter({k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS})
+
+    class StepAllocator(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = counters() if batch else None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.before is not None:
+                after = counters()
+                totals.update({k: after[k] - self.before[k] for k in after})
+                totals["steps"] += 1
+
+    return StepAllocator()
 
 
 @contextlib.contextmanager
@@ -385,6 +450,7 @@ class Record:
         self.pythons = {n: {} for n in variants}
         self.collections = {n: collections.Counter() for n in variants}
         self.callbacks, self.budget = {}, None
+        self.allocator = {}  # The last round's allocator counters, per step.
 
 
 def turn(args, modules, record, name, model, data, turn_index):
@@ -395,7 +461,8 @@ def turn(args, modules, record, name, model, data, turn_index):
     extra = []
     if name.startswith("autovm"):
         if name not in record.callbacks:
-            record.callbacks[name] = keras_autovm.AutoVM(budget=record.budget, verbose=0)
+            budget = None if name == "autovm_keep_hooks" else record.budget
+            record.callbacks[name] = keras_autovm.AutoVM(budget=budget, verbose=0)
             record.callbacks[name]._calibrate = lambda *a, **k: False  # One plan.
         extra = [record.callbacks[name]]
     timer = measure.step_timer(keras)
@@ -405,10 +472,14 @@ def turn(args, modules, record, name, model, data, turn_index):
     torch.cuda.reset_peak_memory_stats()
     fit = functools.partial(model.fit, *data, batch_size=args.batch, shuffle=False, verbose=0)
     with contention._copies_left_out(name == "autovm_no_copies"), \
-            gc_quiet(name.endswith("_gc_quiet")), timed_methods(totals):
+            gc_quiet(name.endswith("_gc_quiet")), ablation(name), timed_methods(totals):
         before, start = thread_cpu(), time.perf_counter()
-        fit(epochs=args.epochs, callbacks=extra + [timer, counted])
+        allocator = collections.Counter()
+        fit(epochs=args.epochs, callbacks=extra + [timer, counted,
+                                                   step_allocator(keras, torch, allocator)])
         if last:
+            record.allocator[name] = {k: allocator[k] / max(allocator["steps"], 1)
+                                      for k in ALLOCATOR_COUNTERS}
             record.busy[name] = threads_busy(before, thread_cpu(),
                                              time.perf_counter() - start)
             # One more epoch with a step under torch's profiler, and one
@@ -466,9 +537,12 @@ def summary(args, variants, record):
     return {"model": args.model, "batch": args.batch, "factor": args.factor,
             "budget_bytes": record.budget,
             "median_step_ms": {n: m * 1e3 for n, m in medians.items()},
+            "median_step_ms_by_round": {n: [statistics.median(run) * 1e3
+                                            for run in record.times[n]] for n in variants},
             "ratio_to_incore": {n: medians["incore"] / medians[n] for n in variants[1:]},
             "functions_ms": record.functions,
             "peak_allocated_bytes": record.peaks,
+            "allocator_per_step": record.allocator,
             "threads_busy": record.busy,
             "step_collections": {n: {str(k): v for k, v in c.items()}
                                  for n, c in record.collections.items()},
