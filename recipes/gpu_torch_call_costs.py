@@ -30,7 +30,7 @@ for each variant:
   steps (the profiled epoch's not counted), by generation, with their
   seconds;
 - `allocator_per_step`: how far the caching allocator's counters moved
-  per step in those fits (`ALLOCATOR_COUNTERS`; each fit's first step
+  per step in those fits (`ALLOCATOR_COUNTERS`; each epoch's first step
   left out).
 
 More variants take AutoVM apart, one part at a time (`ablation`):
@@ -177,8 +177,10 @@ def ablation(name):
 
 def step_allocator(keras, torch, totals):
     """A callback adding, in `totals`, how much each of the allocator's
-    `ALLOCATOR_COUNTERS` moved inside training steps, the first step of
-    each fit left out (`totals["steps"]`: how many steps were counted)."""
+    `ALLOCATOR_COUNTERS` moved inside training steps, each epoch's first
+    step left out (`totals["steps"]`: how many steps were counted). After
+    `measure.step_timer` in the callbacks, its first read falls inside
+    the timed step, alike for every variant."""
 
     def counters():
         stats = torch.cuda.memory_stats()

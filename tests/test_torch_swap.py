@@ -538,53 +538,66 @@ def test_copies_run_on_their_stream_and_the_stream_before_comes_back(monkeypatch
         raise RuntimeError("a copy failed")
 
     with pytest.raises(RuntimeError, match="a copy failed"):
-        streams.Streams.run_on("copies", work, "compute")
+        streams.run_on("copies", work, "compute")
     assert current == ["compute", "copies", "compute"]
-    assert streams.Streams.run_on("copies", lambda: 7, "compute") == 7
+    assert streams.run_on("copies", lambda: 7, "compute") == 7
 
 
-def test_compute_waits_once_per_copy_back_however_many_handles_share_it(monkeypatch):
-    # Autograd saved one swapped storage three times (a layer output read by
-    # three backward nodes): one wait orders them all on the one stream.
+def _step_on_fake_streams(monkeypatch, log):
+    """A `Step` on CPU tensors whose stream calls are logged: the calls a
+    GPU makes, in the order they are made."""
+    import torch
+    from keras_autovm.mechanisms.torch import streams, swap
+
+    pair = streams.Streams(_FakeStream("to_host", log), _FakeStream("to_device", log),
+                           event=_FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: _FakeStream("compute", log))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(("current", s.name)))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: log.append(("block kept for", s.name)), raising=False)
+    monkeypatch.setattr(pair.to_host, "wait_stream", lambda other: None, raising=False)
+
+    class Layout:
+        max_in_flight = None
+
+    stats = {"bytes_to_host": 0, "bytes_to_device": 0}
+    return swap.Step(Layout(), swap.HostPool(1 << 21, pinned=False), pair, stats, [])
+
+
+def test_a_copy_to_host_runs_on_its_stream_after_the_compute_before_it(monkeypatch):
     import torch
     from keras_autovm.mechanisms.torch import swap
 
-    log = []
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: _FakeStream("compute", log))
-
-    class Layout:
-        max_in_flight = None
-
-    step = swap.Step(Layout(), None, None, {}, [])
-    copy = swap.Copy(torch.zeros(16, dtype=torch.uint8), 16, "cpu")
-    copy.gpu, copy.h2d = torch.arange(16, dtype=torch.uint8), _FakeEvent()
-    copy.h2d.record(_FakeStream("to_device", log))
-    handles = []
-    for offset in (0, 4, 8):
-        handle = swap.Saved(copy.gpu[offset:offset + 4])
-        handle.to_copy(copy)
-        handles.append(handle)
-    views = [step.unpack(h) for h in handles]
-    assert [v.tolist() for v in views] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert log == [("compute", "waits for", copy.h2d.name, "to_device")]
-    assert copy.read
+    log, _FakeEvent.made = [], 0
+    step = _step_on_fake_streams(monkeypatch, log)
+    tensor = torch.arange(swap.MIN_BYTES, dtype=torch.int64).to(torch.uint8)
+    step._copy_out(1, tensor.untyped_storage(), tensor.device)
+    assert log == [("to_host", "waits for", "event 1", "compute"),
+                   ("current", "to_host"), ("current", "compute"),
+                   ("block kept for", "to_host")]
+    copy = step.copies[1]
+    assert copy.d2h.recorded == "to_host"  # Marks the copy's end, on its stream.
+    assert torch.equal(copy.host, tensor)
+    assert step.in_flight_bytes == swap.MIN_BYTES
 
 
-def test_each_step_orders_its_copies_to_host_after_the_copies_back_before_it():
-    # Both directions share the host pool's slices, and run on two streams.
-    from keras_autovm.mechanisms.torch import streams, swap
+def test_a_copy_back_runs_on_its_stream_after_compute_and_its_copy_to_host(monkeypatch):
+    import torch
+    from keras_autovm.mechanisms.torch import swap
 
-    log = []
-    pair = streams.Streams(_FakeStream("to_host", log), _FakeStream("to_device", log))
-
-    class Layout:
-        max_in_flight = None
-
-    swap.Step(Layout(), None, pair, {}, [])
-    assert log == [("to_host", "waits for", "to_device")]
-    swap.Step(Layout(), None, None, {}, [])  # No CUDA: nothing to order.
-    assert len(log) == 1
+    log, _FakeEvent.made = [], 0
+    step = _step_on_fake_streams(monkeypatch, log)
+    d2h = _FakeEvent()
+    d2h.record(_FakeStream("to_host", log))
+    copy = swap.Copy(torch.arange(16, dtype=torch.uint8), 16, "cpu", d2h)
+    step.fetch(copy)
+    assert log == [("to_device", "waits for", "event 2", "compute"),
+                   ("to_device", "waits for", "event 1", "to_host"),
+                   ("current", "to_device"), ("current", "compute")]
+    assert copy.h2d.recorded == "to_device" and copy.stream is step.streams.to_device
+    assert torch.equal(copy.gpu, copy.host)
 
 
 def test_a_copy_back_dropped_unread_keeps_its_block_until_the_copy_is_done():

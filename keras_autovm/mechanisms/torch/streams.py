@@ -27,24 +27,20 @@ class Streams:
         `stream.wait_stream(other)` makes a new event each call; a swap
         orders each copy after the compute that made or freed its block,
         hundreds of times a step. The wait takes the event as last
-        recorded, so one event per stream, recorded again each time, does.
+        recorded, so one event per stream, recorded again each time, does,
+        while one thread at a time orders each stream: the forward's
+        thread `to_host`, autograd's backward thread `to_device`, and a
+        step's forward and backward do not overlap.
+
+        Args:
+            stream: the stream that waits (`to_host` or `to_device`).
+            other: the stream whose queued work it waits for.
         """
         mark = self._marks.get(id(stream))
         if mark is None:
             mark = self._marks[id(stream)] = self._event()
         mark.record(other)
         stream.wait_event(mark)
-
-    @staticmethod
-    def run_on(stream, work, back):
-        """`work()` with `stream` current, then `back` current again: what
-        `torch.cuda.stream(stream)` does, without looking up the current
-        stream, which makes a Python `Stream` each time."""
-        torch.cuda.set_stream(stream)
-        try:
-            return work()
-        finally:
-            torch.cuda.set_stream(back)
 
     @classmethod
     def shared(cls):
@@ -61,3 +57,26 @@ class Streams:
 @functools.lru_cache(maxsize=None)
 def _pair(device):
     return Streams(torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+
+def run_on(stream, work, back):
+    """`work()` with `stream` current, then `back` current again.
+
+    What `torch.cuda.stream(stream)` does for a step that computes on one
+    stream, `back`, known already: the context looks up the current stream
+    on entry, which makes a Python `Stream` each time, hundreds of times a
+    step.
+
+    Args:
+        stream: the copy stream `work` queues its copy on.
+        work: a function of no arguments.
+        back: the stream current before, made current again.
+
+    Returns:
+        What `work()` returns.
+    """
+    torch.cuda.set_stream(stream)
+    try:
+        return work()
+    finally:
+        torch.cuda.set_stream(back)

@@ -49,6 +49,7 @@ import keras
 import torch
 
 from keras_autovm import internals
+from keras_autovm.mechanisms.torch import streams as streams_lib
 
 # Saved tensors smaller than this stay with autograd: not worth a copy.
 MIN_BYTES = 1 << 20
@@ -199,10 +200,7 @@ class Step:
         if copy.gpu is None:
             self.stats["copy_backs_at_use"] += 1
             self.fetch(copy)
-        if copy.h2d is not None and not copy.read:
-            # Once per copy: the handles sharing it are unpacked on the one
-            # stream the step computes on (autograd runs a node's backward
-            # on its forward's stream), which keeps the wait's order.
+        if copy.h2d is not None:
             torch.cuda.current_stream(copy.device).wait_event(copy.h2d)
             copy.read = True
         dtype, offset, size, stride = handle.view
@@ -287,8 +285,8 @@ class Step:
         if self.streams is not None:
             stream, compute = self.streams.to_host, self._compute_stream(device)
             self.streams.order_after(stream, compute)
-            event = self.streams.run_on(stream, lambda: _copy_and_mark(host, flat, stream),
-                                        compute)
+            event = streams_lib.run_on(stream, lambda: _copy_and_mark(host, flat, stream),
+                                       compute)
             # The allocator reuses the block, once freed, after the copy.
             flat.record_stream(stream)
             self.copying(event, storage.nbytes())
@@ -298,6 +296,10 @@ class Step:
         self.stats["bytes_to_host"] += storage.nbytes()
 
     def _compute_stream(self, device):
+        """The stream the forward computes on, looked up at its first copy:
+        Keras's step runs its layers on one stream and device (a layer that
+        switched streams would have to switch back, as torch's context
+        does), and each lookup makes a Python `Stream`."""
         if self._compute is None:
             self._compute = torch.cuda.current_stream(device)
         return self._compute
@@ -385,7 +387,7 @@ class Step:
         # and after the copy to host it reads.
         self.streams.order_after(stream, compute)
         stream.wait_event(copy.d2h)
-        copy.h2d = self.streams.run_on(
+        copy.h2d = streams_lib.run_on(
             stream, lambda: _copy_and_mark(copy.gpu, copy.host, stream), compute)
         copy.stream = stream
 
