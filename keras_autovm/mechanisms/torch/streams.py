@@ -80,3 +80,16 @@ def run_on(stream, work, back):
         return work()
     finally:
         torch.cuda.set_stream(back)
+
+
+def copy_on(stream, target, source, back):
+    """Queues `target.copy_(source)` on `stream`, then makes `back` current
+    again (`run_on`); returns the event that marks the copy's end."""
+    return run_on(stream, lambda: _copy_and_mark(target, source, stream), back)
+
+
+def _copy_and_mark(target, source, stream):
+    target.copy_(source, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

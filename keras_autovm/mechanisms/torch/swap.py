@@ -285,8 +285,7 @@ class Step:
         if self.streams is not None:
             stream, compute = self.streams.to_host, self._compute_stream(device)
             self.streams.order_after(stream, compute)
-            event = streams_lib.run_on(stream, lambda: _copy_and_mark(host, flat, stream),
-                                       compute)
+            event = streams_lib.copy_on(stream, host, flat, compute)
             # The allocator reuses the block, once freed, after the copy.
             flat.record_stream(stream)
             self.copying(event, storage.nbytes())
@@ -387,15 +386,6 @@ class Step:
         # and after the copy to host it reads.
         self.streams.order_after(stream, compute)
         stream.wait_event(copy.d2h)
-        copy.h2d = streams_lib.run_on(
-            stream, lambda: _copy_and_mark(copy.gpu, copy.host, stream), compute)
+        copy.h2d = streams_lib.copy_on(stream, copy.gpu, copy.host, compute)
         copy.stream = stream
 
-
-def _copy_and_mark(target, source, stream):
-    """Queues `target.copy_(source)` on the current stream, `stream`; the
-    event marking its end."""
-    target.copy_(source, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
