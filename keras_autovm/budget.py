@@ -146,7 +146,7 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
     cost = planning_cost(cost, mechanism)
     try:
         plan = planner.make_plan(graph, limit, policy=policy, cost=cost,
-                                 allowed=allowed)
+                                 allowed=allowed, bounds=mechanism.in_flight_bounds(cost))
     except planner.PlanError as error:
         if not headroom and memory_scale == 1.0:
             raise

@@ -135,6 +135,8 @@ class Runtime:
         """Runs `wrapper`'s layer in training, applying the plan."""
         name, tags = wrapper._autovm_op
         applied = self._step_plan(inputs)
+        if name not in self._stash:
+            inputs = self.mechanism.before_layer(name, inputs, applied)
         segment = (applied.segment_starting.get(name)
                    if applied and self.mechanism.replays_segments else None)
         if name in self._stash:

@@ -7,6 +7,19 @@ import pytest
 BACKEND = keras.backend.backend()
 
 
+def tf_rewrite_options(serialized=None):
+    """The Grappler rewriter options of a serialized `ConfigProto`, by
+    default the thread's function call options (TensorFlow only)."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    if serialized is None:
+        serialized = context.context().function_call_options.config_proto_serialized
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(serialized)
+    return config.graph_options.rewrite_options
+
+
 def small_cnn(size=16):
     """Sequential CNN with batch norm: stateful layers inside segments."""
     return keras.Sequential([

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import BACKEND, data, skip_model, small_cnn
+from conftest import BACKEND, data, skip_model, small_cnn, tf_rewrite_options
 from keras_autovm import internals
 from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 
@@ -303,6 +303,24 @@ def test_tf_replace_input_and_function_graphs():
     assert graphs and all(g.pre_optimization_graph.node and g.partition_graphs
                           for g in graphs)
     assert any(n.op == "AddV2" for g in graphs for n in g.post_optimization_graph.node)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's function options")
+def test_tf_grappler_swapping_off_keeps_the_rest_of_the_config():
+    import tensorflow as tf
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    before = tf_rewrite_options()
+    with pytest.raises(RuntimeError):
+        with tf_internals.tf_grappler_swapping_off():
+            inside = tf_rewrite_options()
+            value = float(tf.function(lambda a: a * 2)(tf.constant(3.0)))
+            raise RuntimeError("the options come back on errors too")
+    assert inside.memory_optimization == rewriter_config_pb2.RewriterConfig.SCHEDULING_HEURISTICS
+    inside.memory_optimization = before.memory_optimization
+    assert inside == before  # Nothing else changed.
+    assert value == 6.0
+    assert tf_rewrite_options() == before
 
 
 def test_uncast_value_is_the_variables_own_tensor():

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from conftest import BACKEND, data, skip_model, small_cnn
+from conftest import BACKEND, data, skip_model, small_cnn, tf_rewrite_options
 from keras_autovm.mechanisms.tensorflow import managed
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
@@ -219,6 +219,140 @@ def test_copies_back_wait_for_the_plans_trigger(traced):
     assert gated == callback.report.stats["copy_backs"]
 
 
+# ------------------------------------------------- copies in flight bounded
+
+
+def chain_plan(bound):
+    """offload_all on a chain of 100-byte outputs whose copies (1 s each at
+    100 B/s) never finish before the next forward op (0.1 s)."""
+    from keras_autovm.planner import CostModel, Graph, OpSpec, TensorSpec, make_plan
+
+    n = 6
+    ops = tuple(OpSpec(f"o{i}", fwd_time=0.1, bwd_time=0.2) for i in range(n))
+    readers = [(f"o{i + 1}",) if i + 1 < n else () for i in range(n)]
+    tensors = tuple(TensorSpec(f"t{i}", 100 if i + 1 < n else 1, f"o{i}", readers[i], readers[i])
+                    for i in range(n))
+    cost = CostModel(d2h_bytes_per_s=100, h2d_bytes_per_s=100, max_in_flight_bytes=bound)
+    return make_plan(Graph(ops, tensors), None, policy="offload_all", cost=cost)
+
+
+@pytest.mark.parametrize("bound", [0, 150, 250])
+def test_in_flight_waits_are_where_the_simulator_waits(bound):
+    from keras_autovm.mechanisms.tensorflow import swap
+
+    plan = chain_plan(bound)
+    swapped = {t for t, a in plan.actions.items() if a == "swap"}
+    waits = swap.in_flight_waits(plan, swapped)
+    fwd = [e for e in plan.result.op_events if e.phase == "fwd"]
+    waited = {i for i in range(1, len(fwd)) if fwd[i].start > fwd[i - 1].end + 1e-9}
+    assert waited and {i for i, _ in waits} == waited
+    # The oldest copies first, each waited for once, none of its own output.
+    tags = [t for _, due in waits for t in due]
+    assert tags == sorted(set(tags), key=lambda t: int(t[1:]))
+    assert all(int(t[1:]) < i for i, due in waits for t in due)
+    assert swap.in_flight_waits(chain_plan(None), swapped) == []
+
+
+def test_explicit_copies_run_unbounded_unless_a_plan_needs_a_bound():
+    from keras_autovm.mechanisms.tensorflow.mechanism import TensorFlowMechanism
+    from keras_autovm.planner import CostModel
+
+    mechanism, cost = TensorFlowMechanism(), CostModel(d2h_bytes_per_s=1000)
+    assert mechanism.swap_cost(cost).max_in_flight_bytes is None
+    assert mechanism.in_flight_bounds(cost) == (50, 12.5, 0)
+    mechanism.managed = True  # Page moves cannot be waited for.
+    assert mechanism.in_flight_bounds(cost) == ()
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    """small_cnn under offload_all with no copy in flight: the callback, the
+    traced step's graph, and the model."""
+    from keras_autovm.mechanisms.tensorflow import internals as tf_internals
+    from keras_autovm.planner import CostModel
+
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    callback = keras_autovm.AutoVM(budget="1GiB", policy="offload_all", verbose=0,
+                                   apply_without_gpu=True, headroom=0,
+                                   cost=CostModel(max_in_flight_bytes=0))
+    x, y = data(32, size=16)
+    graphs = tf_internals.tf_function_graphs(lambda: model.fit(
+        x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[callback], verbose=0))
+    return callback, graphs, model
+
+
+def test_forward_waits_for_its_copies_to_host(bounded):
+    callback, _, _ = bounded
+    explicit = callback._mechanism._explicit
+    plan = callback.report.plan
+    assert plan.cost.max_in_flight_bytes == 0
+    waits = [op for op in explicit.graph.get_operations()
+             if "autovm_wait_copies" in op.name and op.type == "Identity"]
+    gating = {c.name for op in waits for c in op.control_inputs}
+    # Each copy due before a later forward op gates that op's inputs.
+    expected = {explicit.host[t].op.name for _, due in swap_waits(plan) for t in due}
+    assert expected and gating == expected
+    assert all(name.endswith("autovm_swap_out/host_copy") for name in gating)
+    assert callback.report.stats["in_flight_waits"] == len(expected)
+
+
+def swap_waits(plan):
+    from keras_autovm.mechanisms.tensorflow import swap
+
+    return swap.in_flight_waits(plan, {t for t, a in plan.actions.items() if a == "swap"})
+
+
+def test_waiting_for_copies_keeps_the_weights(bounded):
+    _, _, model = bounded
+    assert_identical(train(small_cnn, steps=4), model)
+
+
+def _call_memory_optimizations(policy):
+    """The Grappler memory option of each step's call and of the nested
+    calls traced inside the training function, under `policy`."""
+    from keras_autovm.mechanisms.tensorflow import first_step
+    from keras_autovm.mechanisms.tensorflow import internals as tf_internals
+
+    seen, original = [], first_step.FirstSteps.__call__
+
+    def spy(self, iterator):
+        seen.append(tf_rewrite_options().memory_optimization)
+        return original(self, iterator)
+
+    first_step.FirstSteps.__call__ = spy
+    try:
+        graphs = tf_internals.tf_function_graphs(
+            lambda: train(small_cnn, [autovm(small_cnn, policy)]))
+    finally:
+        first_step.FirstSteps.__call__ = original
+    # Nested calls of the functions that carry the plan's copies (Keras may
+    # instantiate its step function more than once).
+    nested = [tf_rewrite_options(n.attr["config_proto"].s).memory_optimization
+              for g in graphs for n in g.pre_optimization_graph.node
+              if "config_proto" in n.attr and _copies(g, n.attr["f"].func.name)]
+    return set(seen), set(nested)
+
+
+def _copies(graph, name):
+    """Whether function `name` of `graph`'s library makes host copies."""
+    return any("autovm_swap_out" in node.name
+               for f in graph.pre_optimization_graph.library.function
+               if f.signature.name == name for node in f.node_def)
+
+
+def test_swapping_steps_run_without_grapplers_own_swapping():
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    scheduling = rewriter_config_pb2.RewriterConfig.SCHEDULING_HEURISTICS
+    before = tf_rewrite_options().memory_optimization
+    assert _call_memory_optimizations("offload_all") == ({scheduling}, {scheduling})
+    assert tf_rewrite_options().memory_optimization == before  # Only inside the steps.
+    # A policy that never swaps runs as TensorFlow optimizes it.
+    assert _call_memory_optimizations("sqrt_recompute") == ({before}, set())
+
+
 TWO_DEVICES = """
     import json, sys
     import tensorflow as tf
@@ -318,3 +452,16 @@ def test_segment_recompute_reruns_the_forward_and_matches_tf_recompute_grad():
 
     for ours, theirs in zip(grads(swap.recompute), grads(tf.recompute_grad), strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_optimized_step_keeps_the_waits(bounded):
+    callback, graphs, _ = bounded
+    graph = max((g.post_optimization_graph for g in graphs), key=lambda g: len(g.node))
+    _, control = _consumers(graph)
+    hosts = [n.name for n in graph.node if n.name.endswith("autovm_swap_out/host_copy")]
+    waited = [h for h in hosts
+              if any(not _backward(n) and "autovm_swap_in" not in n.name
+                     for n in control.get(h, []))]
+    # Grappler may move a wait's control input onto the ops it guarded, but
+    # keeps one on a forward op for every copy waited for.
+    assert len(waited) == callback.report.stats["in_flight_waits"] > 0

@@ -36,6 +36,11 @@ class Mechanism:
     #: copies to host (`swap_cost`); `None`: the backend bounds nothing.
     in_flight_seconds = None
 
+    #: Whether a forward op can wait for the copies to host before it, so
+    #: that `auto` may plan under a tighter bound on them than
+    #: `in_flight_seconds` where nothing fits (`in_flight_bounds`).
+    waits_for_copies = False
+
     #: The share of the budget plans leave free when `headroom=None`: the
     #: memory this backend uses beyond the planner's model (scratch
     #: buffers, fragmentation). XLA's compiled VGG-19 step needed 7% to 18%
@@ -78,6 +83,11 @@ class Mechanism:
             return cost
         return dataclasses.replace(
             cost, max_in_flight_bytes=cost.d2h_bytes_per_s * self.in_flight_seconds)
+
+    def in_flight_bounds(self, cost):
+        """The tighter bounds on copies to host in flight `auto` may plan
+        with, in turn, where nothing fits under `cost`'s own."""
+        return choose.in_flight_bounds(cost) if self.waits_for_copies else ()
 
     def may_swap(self, runtime):
         """Whether the policy of `runtime` (or any, without one) may swap."""
@@ -209,6 +219,12 @@ class Mechanism:
     def recompute(self, fn):
         """`fn`, with its intermediates recomputed in the backward pass."""
         return keras.remat(fn)
+
+    def before_layer(self, name, inputs, applied):
+        """Runs before the layer call `name` (a recompute segment's first
+        op: before the segment); returns its (possibly gated) inputs. The
+        default passes them through."""
+        return inputs
 
     def call_layer(self, layer, inputs, args, kwargs, applied):
         """Calls one layer under the plan `applied` (an `AppliedPlan` or

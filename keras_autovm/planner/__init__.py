@@ -16,6 +16,7 @@ from .plan import format_bytes
 from .plan import memory_line
 from .choose import POLICIES
 from .choose import REQUIRES
+from .choose import in_flight_bounds
 from .choose import make_plan
 from .simulate import SimResult
 from .simulate import simulate
@@ -31,6 +32,7 @@ __all__ = [
     "SimResult",
     "TensorSpec",
     "format_bytes",
+    "in_flight_bounds",
     "memory_line",
     "make_plan",
     "simulate",

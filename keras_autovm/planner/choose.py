@@ -4,6 +4,8 @@ others, and the registry of policies by name.
 Pure standard-library Python, no framework imports.
 """
 
+import dataclasses
+
 from .cost import CostModel
 from .graph import ACTIONS
 from .graph import Graph
@@ -17,14 +19,23 @@ from .policies import sqrt_offload
 from .policies import sqrt_recompute
 
 
-def auto(graph, cost, budget, allowed=ACTIONS):
+def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
     """The fastest plan within the budget among the allowed policies.
+
+    Where none fits and plans may swap, the policies run again under each
+    of `bounds` in turn, a bound on the bytes of copies to host in flight
+    (`CostModel.max_in_flight_bytes`): a forward that waits for its copies
+    frees swapped outputs sooner, at the price of the wait. The plan's
+    `cost` carries the bound it was made with, which the mechanisms
+    enforce.
 
     Args:
         graph: a `Graph`.
         cost: a `CostModel`.
         budget: device memory budget in bytes, or `None` (keep all).
         allowed: actions the backend can carry out. Defaults to all.
+        bounds: the bounds to try after the cost's own, tightest last
+            (`in_flight_bounds` makes them). Defaults to none.
 
     Returns:
         The fitting `Plan` with the lowest predicted step time.
@@ -37,18 +48,29 @@ def auto(graph, cost, budget, allowed=ACTIONS):
     if budget is None:
         return keep_all(graph, cost, budget)
     names = [n for n in CANDIDATES if set(REQUIRES[n]) <= set(allowed)]
-    plans = [_run(n, graph, cost, budget, allowed) for n in names]
-    fitting = [p for p in plans if p.fits]
+    tries = [cost.max_in_flight_bytes] + (list(bounds) if "swap" in allowed else [])
+    for bound in tries:
+        tried = dataclasses.replace(cost, max_in_flight_bytes=bound)
+        plans = [_run(n, graph, tried, budget, allowed) for n in names]
+        fitting = [p for p in plans if p.fits]
+        if fitting:
+            break
     if not fitting:
-        least, lowest = _least(graph, cost, budget, allowed, names,
+        least, lowest = _least(graph, tried, budget, allowed, names,
                                min(plans, key=lambda p: p.result.peak_bytes))
         raise PlanError(
             f"No plan fits the limit of {format_bytes(budget)} with actions "
-            f"{tuple(allowed)}: the lowest predicted peak is "
-            f"{format_bytes(lowest.result.peak_bytes)} ({lowest.policy}).",
+            f"{tuple(allowed)}{_bounded(bound, len(tries) > 1)}: the lowest "
+            f"predicted peak is {format_bytes(lowest.result.peak_bytes)} "
+            f"({lowest.policy}).",
             least,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
+    if bound != cost.max_in_flight_bytes:
+        best.notes.append(
+            f"auto bounded the copies to host in flight to {format_bytes(bound)} "
+            f"(from {_bound_text(cost.max_in_flight_bytes)}): no plan fit with "
+            f"the forward running further ahead of its copies.")
     if len(fitting) == 1:
         best.notes.append(f"auto chose {best.policy}, the only candidate "
                           f"within the limit.")
@@ -88,7 +110,31 @@ CANDIDATES = ("keep_all", "hybrid", "greedy_offload", "sqrt_recompute",
               "offload_all", "sqrt_offload")
 
 
-def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
+# How far ahead of its copies to host, in seconds of the link, the forward
+# may run under the bounds `in_flight_bounds` offers; 0: it waits for each.
+TIGHTER_IN_FLIGHT_SECONDS = (0.05, 0.0125, 0.0)
+
+
+def _bound_text(bound):
+    return "no bound" if bound is None else format_bytes(bound)
+
+
+def _bounded(bound, tightened):
+    """How a refusal's figures were reached, where `auto` tightened the
+    bound on copies in flight to get them."""
+    return f" and copies to host in flight bounded to {_bound_text(bound)}" if tightened else ""
+
+
+def in_flight_bounds(cost):
+    """The bounds on copies to host in flight, tighter than `cost`'s own
+    (`None`: no bound), that `auto` may plan with where nothing fits, for a
+    backend whose forward can wait for its copies."""
+    own = cost.max_in_flight_bytes
+    bounds = (cost.d2h_bytes_per_s * s for s in TIGHTER_IN_FLIGHT_SECONDS)
+    return tuple(b for b in bounds if own is None or b < own)
+
+
+def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS, bounds=()):
     """Plans one training step of `graph` within a device memory budget.
 
     Args:
@@ -98,6 +144,9 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
         cost: a `CostModel`. Defaults to `None` (`CostModel()`).
         allowed: actions the backend can carry out; it must include
             `"keep"`. Defaults to all of `("keep", "swap", "recompute")`.
+        bounds: for `"auto"`, the tighter bounds on copies to host in
+            flight to plan with where none fits (`in_flight_bounds`).
+            Defaults to none.
 
     Returns:
         A `Plan` whose predicted peak fits the budget.
@@ -117,7 +166,7 @@ def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS):
             f"policy='auto' to plan with the allowed actions."
         )
     if policy == "auto":
-        return auto(graph, cost, budget, allowed)
+        return auto(graph, cost, budget, allowed, bounds)
     plan = _run(policy, graph, cost, budget, allowed)
     if not plan.fits:
         raise PlanError(

@@ -44,7 +44,8 @@ class CostModel:
             recomputation), learnt from a measured forward pass. Defaults
             to `1.0`.
         max_in_flight_bytes: bound on outstanding device-to-host copy
-            bytes, or `None`. Defaults to `None`.
+            bytes, or `None`; `0` makes each forward op wait for every copy
+            issued before it. Defaults to `None`.
         link_measured: whether the copy bandwidths were measured on this
             machine (shown in plan summaries). Defaults to `False`.
         replay_segments: whether the backend recomputes a chain of
@@ -79,7 +80,7 @@ class CostModel:
             _check_number(name, getattr(self, name), positive=True)
         if self.max_in_flight_bytes is not None:
             _check_number("max_in_flight_bytes", self.max_in_flight_bytes,
-                          positive=True)
+                          positive=False)
         for name in ("bwd_factor", "op_overhead_s"):
             _check_number(name, getattr(self, name), positive=False)
 

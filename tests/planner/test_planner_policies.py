@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import time
@@ -9,6 +10,7 @@ from keras_autovm.planner import CostModel
 from keras_autovm.planner import Graph
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import TensorSpec
+from keras_autovm.planner import in_flight_bounds
 from keras_autovm.planner import make_plan
 from keras_autovm.planner.graph import ACTIONS
 from keras_autovm.planner.choose import CANDIDATES
@@ -140,6 +142,56 @@ def test_the_stated_min_budget_plans_with_any_actions(make, allowed):
         make_plan(g, 1000, allowed=allowed)
     plan = make_plan(g, info.value.min_budget, allowed=allowed)
     assert plan.result.peak_bytes <= info.value.min_budget
+
+
+# Two big early outputs, copied out at 100 B/s (10 s each) while each
+# forward takes 0.1 s: the forward outruns its copies unless it waits.
+AHEAD = chain([1000, 1000, 900, 900, 900, 10, 1], fwd_times=[0.1] * 7)
+
+
+def _slow_link(bound):
+    return CostModel(d2h_bytes_per_s=100, h2d_bytes_per_s=100, max_in_flight_bytes=bound)
+
+
+def test_auto_tightens_the_bound_on_copies_in_flight_to_fit():
+    allowed, cost = ("keep", "swap"), _slow_link(None)
+    # Unbounded, the swapped outputs are still on the device at the peak.
+    with pytest.raises(PlanError) as unbounded:
+        make_plan(AHEAD, 4000, cost=cost, allowed=allowed)
+    assert unbounded.value.min_budget > 4000
+    plan = make_plan(AHEAD, 4000, cost=cost, allowed=allowed, bounds=(2500, 0))
+    assert plan.fits and plan.result.d2h_wait_time > 0
+    assert plan.cost.max_in_flight_bytes == 2500  # The first that fits.
+    assert any("bounded the copies to host in flight" in n for n in plan.notes)
+    # A refusal states the least budget of the tightest bound, which plans.
+    with pytest.raises(PlanError, match="in flight bounded to 0 B") as error:
+        make_plan(AHEAD, 1000, cost=cost, allowed=allowed, bounds=(2500, 0))
+    assert error.value.min_budget < unbounded.value.min_budget
+    assert make_plan(AHEAD, error.value.min_budget, cost=cost, allowed=allowed,
+                     bounds=(2500, 0)).fits
+
+
+def test_auto_keeps_the_bound_where_a_plan_fits_with_it():
+    plan = make_plan(AHEAD, 10_000, cost=_slow_link(None), allowed=("keep", "swap"),
+                     bounds=(2500, 0))
+    assert plan.cost.max_in_flight_bytes is None
+    assert not any("in flight" in n for n in plan.notes)
+    # Without swap there is nothing to bound: the same refusal either way.
+    refusals = []
+    for bounds in ((), (2500, 0)):
+        with pytest.raises(PlanError) as error:
+            make_plan(AHEAD, 1000, cost=_slow_link(None), allowed=("keep", "recompute"),
+                      bounds=bounds)
+        refusals.append((str(error.value), error.value.min_budget))
+    assert refusals[0] == refusals[1]
+    assert "in flight" not in refusals[0][0]
+
+
+def test_in_flight_bounds_are_tighter_than_the_costs_own():
+    link = CostModel(d2h_bytes_per_s=1000)
+    assert in_flight_bounds(link) == (50, 12.5, 0)
+    assert in_flight_bounds(dataclasses.replace(link, max_in_flight_bytes=50)) == (12.5, 0)
+    assert in_flight_bounds(dataclasses.replace(link, max_in_flight_bytes=0)) == ()
 
 
 def test_explicit_policy_over_budget():

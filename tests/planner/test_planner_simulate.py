@@ -289,8 +289,13 @@ def test_in_flight_bound_makes_the_forward_wait_for_copies_out():
     assert held.d2h_wait_time == pytest.approx(1.1 - 0.2)
     assert held.stall_time >= held.d2h_wait_time
     assert held.step_time > free.step_time
+    # A bound of 0: every forward op waits for all copies issued before it.
+    zero = simulate(g, actions, cost=dataclasses.replace(SLOW_LINK, max_in_flight_bytes=0))
+    starts = {(e.op, e.phase): e.start for e in zero.op_events}
+    assert starts["o1", "fwd"] == pytest.approx(1.1)  # t0's copy, [0.1, 1.1].
+    assert starts["o2", "fwd"] == pytest.approx(2.2)  # t1's, [1.2, 2.2].
     with pytest.raises(ValueError, match="max_in_flight_bytes"):
-        CostModel(max_in_flight_bytes=0)
+        CostModel(max_in_flight_bytes=-1)
 
 
 def test_internal_tensors_have_no_gradient():

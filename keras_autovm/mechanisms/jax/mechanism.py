@@ -108,6 +108,12 @@ class JaxMechanism(Mechanism):
         # save; eager, the runtime runs the plan's segments (`run_segment`).
         return self._eager
 
+    @property
+    def waits_for_copies(self):
+        """The swap by host copies bounds what is in flight (`swap.SwapStep`);
+        XLA's host offload does not."""
+        return self.swap_mode == "copies"
+
     def gpu_available(self):
         return any(d.platform == "gpu" for d in jax.devices())
 

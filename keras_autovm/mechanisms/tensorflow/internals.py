@@ -6,6 +6,8 @@ behind TensorFlow's public API. Each function says why no public API
 serves; `tests/test_internals.py` exercises each reach.
 """
 
+import contextlib
+
 
 def tf_merge_pending_config(config):
     """Merges a `ConfigProto` into TensorFlow's context before it starts.
@@ -128,6 +130,40 @@ def tf_replace_input(op, index, tensor):
     TensorFlow 2.21.0.
     """
     op._update_input(index, tensor)
+
+
+@contextlib.contextmanager
+def tf_grappler_swapping_off():
+    """A context in which the functions called (and traced) are optimized
+    without Grappler's swapping heuristic, its scheduling kept
+    (`RewriterConfig.memory_optimization = SCHEDULING_HEURISTICS`; the
+    default also swaps). Under a device memory cap Grappler inserts swaps of
+    its own (`swap_out_*`/`swap_in_*`) wherever its estimate of the step's
+    memory exceeds the device's: under an 8 GiB cap on an H100 it swapped
+    again what AutoVM's plan had copied back for VGG-19's first block, and
+    its copies back ran out of memory in the steps of two of three batch
+    sizes (results/tensorflow/in_flight/). TensorFlow 2 exposes the option
+    only through the thread's function call options, which set the
+    `config_proto` of each function call (`context.function_call_options`);
+    the rest of the configuration, `tf.config.optimizer`'s options
+    included, is the thread's as it was. TensorFlow 2.21.0.
+    """
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    old = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(old.config_proto_serialized)
+    config.graph_options.rewrite_options.memory_optimization = (
+        rewriter_config_pb2.RewriterConfig.SCHEDULING_HEURISTICS)
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=old.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = old
 
 
 def tf_function_graphs(fn, *args):

@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_autovm.mechanisms.base import Mechanism
 from keras_autovm.mechanisms.tensorflow import cuda
 from keras_autovm.mechanisms.tensorflow import first_step
+from keras_autovm.mechanisms.tensorflow import internals as tf_internals
 from keras_autovm.mechanisms.tensorflow import logits
 from keras_autovm.mechanisms.tensorflow import managed
 from keras_autovm.mechanisms.tensorflow import swap
@@ -37,7 +38,7 @@ class TensorFlowMechanism(Mechanism):
         else:
             self.stats = dict.fromkeys(
                 ("host_copies", "marks", "copy_backs", "copy_backs_at_use",
-                 "copy_backs_ungated", "reads_rewired"), 0)
+                 "copy_backs_ungated", "reads_rewired", "in_flight_waits"), 0)
         # Swapped tensor -> [tensor, page moves still to insert for it].
         self._swapped = {}
         self._moves = {}  # AppliedPlan -> its `PageMoves`.
@@ -187,8 +188,16 @@ class TensorFlowMechanism(Mechanism):
     def training_function(self, model, runtime, function):
         """On a GPU, each tight plan's first step is measured, and run
         again under a new plan if it ran out of memory
-        (`first_step.FirstSteps`)."""
-        return first_step.FirstSteps(model, runtime, function)
+        (`first_step.FirstSteps`). Under a policy that may swap explicitly
+        (`auto` included), steps are optimized without Grappler's own
+        swapping, which moves tensors the plan does not know of
+        (`tf_internals.tf_grappler_swapping_off`). The choice is made per
+        policy, not per plan: the first plan is made while the step is
+        traced, under options already chosen."""
+        steps = first_step.FirstSteps(model, runtime, function)
+        if self.managed or not self.may_swap(runtime):
+            return steps
+        return _without_grappler_swaps(steps)
 
     # --------------------------------------------------------- explicit swap
 
@@ -221,6 +230,20 @@ class TensorFlowMechanism(Mechanism):
                 or current.graph is not swap.current_graph():
             self._explicit = swap.ExplicitSwap(applied, self.stats)
         return self._explicit
+
+    @property
+    def waits_for_copies(self):
+        """Explicit copies to host run unbounded (`in_flight_seconds` is
+        `None`), as before AutoVM bounded them; a plan that needs a bound
+        to fit gets one, and the forward waits on its copies
+        (`swap.ExplicitSwap.before_layer`). Page moves are not bounded."""
+        return not self.managed
+
+    def before_layer(self, name, inputs, applied):
+        """Explicit swap: the layer waits for the copies to host its plan's
+        bound on copies in flight says must be done before it."""
+        explicit = None if self.managed else self._explicit_for(applied)
+        return inputs if explicit is None else explicit.before_layer(name, inputs)
 
     def _rewire_after(self, train_step):
         """`train_step`, then the traced step's backward reads copies back."""
@@ -307,6 +330,16 @@ class PageMoves:
 # Why an explicit swap needs its step without XLA.
 _XLA_CANNOT = ("XLA cannot compile the control dependencies that time its "
                "host-to-device copies")
+
+
+def _without_grappler_swaps(function):
+    """`function`, run (and traced) without Grappler's swapping heuristic."""
+    @functools.wraps(function)
+    def train_function(*args):
+        with tf_internals.tf_grappler_swapping_off():
+            return function(*args)
+
+    return train_function
 
 
 def _xla_off(model, patches):

@@ -83,8 +83,45 @@ class ExplicitSwap:
         self.host, self.device, self.values = {}, {}, {}
         self.grads = {"trigger": {}, "at_use": {}}
         self.backward_start = None  # Ops in the graph when the backward began.
+        # How far each call reaches: a recompute segment runs at its first op.
+        self.reach = dict(index)
+        self.reach.update({seg[0]: max(index[op] for op in seg) for seg in applied.segments})
+        # (op index, tags whose copies to host must be done before it), in
+        # forward order; `before_layer` takes them as the forward reaches them.
+        self.waits = in_flight_waits(plan, self.swapped)
+        self.due = []  # Tags due whose host copies are not made yet.
 
     # ------------------------------------------------------------ forward
+
+    def before_layer(self, name, inputs):
+        """`inputs`, made to wait for the copies to host due before op
+        `name` by the plan's bound on copies in flight.
+
+        What waits is this layer call: TensorFlow runs ops as their inputs
+        are ready, so an op that does not depend on it (a shortcut branch, a
+        layer's keyword inputs) is not held back, and waits due before an
+        op that runs without this call (a raw `keras.ops` call, the rest of
+        a recompute segment, a shared layer's later call) come at the next
+        call that does, later than the simulator's. A copy not made yet, or
+        a call with no tensor inputs, leaves its wait to the next call."""
+        position = self.reach.get(name)
+        while self.waits and position is not None and self.waits[0][0] <= position:
+            self.due += self.waits.pop(0)[1]
+        flat = keras.tree.flatten(inputs)
+        tensors = [i for i, x in enumerate(flat) if tf.is_tensor(x)]
+        due = [t for t in self.due if t in self.host]
+        if not due or not tensors:
+            return inputs
+        self.due = [t for t in self.due if t not in due]
+        with tf_internals.tf_stop_recording(), tf.name_scope("autovm_wait_copies"), \
+                tf.control_dependencies([self.host[t] for t in due]):
+            gated = [tf.identity(flat[i]) for i in tensors]
+        tf_internals.tf_record_operation("AutoVMWait", gated, [flat[i] for i in tensors],
+                                         lambda *grads: list(grads))
+        for i, x in zip(tensors, gated):
+            flat[i] = x
+        self.stats["in_flight_waits"] += len(due)
+        return keras.tree.pack_sequence_as(inputs, flat)
 
     def after_layer(self, name, outputs):
         """Copies the swapped outputs of op `name` out and marks them."""
@@ -187,6 +224,39 @@ class ExplicitSwap:
                 copy = tf.identity(ready, name="copy_back")
         self.stats["copy_backs"] += 1
         return copy
+
+
+def in_flight_waits(plan, swapped):
+    """Before which forward ops the copies of `swapped` tensors must be done
+    for the plan's `max_in_flight_bytes`: `[(op index, [tag, ...])]`.
+
+    The simulator lets a forward op start once the copies outstanding are
+    within the bound, the oldest retired first (one stream runs them in
+    turn). A traced step cannot see which copies are done, so each wait is
+    placed where the bound would be passed if none were yet: a copy that
+    is done by then costs the wait little (`ExplicitSwap.before_layer`
+    says which ops it holds back).
+    """
+    bound = plan.cost.max_in_flight_bytes
+    if bound is None or not swapped:
+        return []
+    sizes = {t.name: t.nbytes for t in plan.graph.tensors}
+    made = {}  # Op -> the swapped tensors it produces.
+    for t in plan.graph.tensors:
+        if t.name in swapped:
+            made.setdefault(t.producer, []).append(t.name)
+    waits, outstanding, total = [], [], 0
+    for i, op in enumerate(plan.graph.ops):
+        due = []
+        while outstanding and total > bound:
+            tag = outstanding.pop(0)
+            total -= sizes[tag]
+            due.append(tag)
+        if due:
+            waits.append((i, due))
+        outstanding += made.get(op.name, [])
+        total += sum(sizes[tag] for tag in made.get(op.name, []))
+    return waits
 
 
 def recompute(fn):

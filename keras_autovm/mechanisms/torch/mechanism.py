@@ -32,6 +32,7 @@ class TorchMechanism(Mechanism):
 
     backend = "torch"
     in_flight_seconds = IN_FLIGHT_SECONDS
+    waits_for_copies = True
     # torch's allocated peak is what the plan models: measured 0.5% and 3.3%
     # above the plan on VGG-19, 1.5% to 6% below it on ResNet-152
     # (docs/results.md). 15% made VGG-19 recompute what fit. A step that runs
