@@ -67,7 +67,8 @@ def bench_model(name, batch, repeats):
                 for _ in range(repeats):
                     start = time.perf_counter()
                     try:
-                        plan = planner.make_plan(graph, budget, policy, cost, allowed)
+                        plan = planner.make_plan(graph, budget, policy, cost, allowed,
+                                                 bounds=mechanism.in_flight_bounds(cost))
                     except planner.PlanError as error:  # A refusal is timed too.
                         plan, least = None, error.min_budget
                     times.append(time.perf_counter() - start)

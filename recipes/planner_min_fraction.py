@@ -25,17 +25,24 @@ MODELS = ("DenseNet121", "InceptionV3", "NASNetMobile", "EfficientNetB0", "ResNe
 BEFORE = ("keep_all", "greedy_offload", "sqrt_recompute", "offload_all", "sqrt_offload")
 
 
-def lowest(graph, cost, names, allowed):
-    """(lowest peak, policy reaching it) among `names` allowed here."""
+def lowest(graph, cost, names, allowed, bounds=()):
+    """(lowest peak, policy reaching it, bound on copies in flight) among
+    `names` allowed here, under the cost's own bound and each of `bounds`
+    (what `auto` tries where nothing fits)."""
+    import dataclasses
+
     from keras_autovm.planner import choose
 
     best = None
-    for name in names:
-        if not set(choose.REQUIRES[name]) <= set(allowed):
-            continue
-        plan = choose._run(name, graph, cost, 1, allowed)
-        if best is None or plan.result.peak_bytes < best[0]:
-            best = (plan.result.peak_bytes, name)
+    tries = [cost.max_in_flight_bytes] + (list(bounds) if "swap" in allowed else [])
+    for bound in tries:
+        bounded = dataclasses.replace(cost, max_in_flight_bytes=bound)
+        for name in names:
+            if not set(choose.REQUIRES[name]) <= set(allowed):
+                continue
+            plan = choose._run(name, graph, bounded, 1, allowed)
+            if best is None or plan.result.peak_bytes < best[0]:
+                best = (plan.result.peak_bytes, name, bound)
     return best
 
 
@@ -52,11 +59,15 @@ def measure(name, batch):
            "keep_all_peak_bytes": keep, "by_actions": []}
     for allowed in (mechanism.auto_actions(), ("keep", "swap", "recompute")):
         entry = {"allowed": list(allowed)}
-        for label, names in (("before", BEFORE), ("after", CANDIDATES)):
+        # "before": the policies before hybrid, at the backend's own bound;
+        # "after": `auto` today, with the tighter bounds it may try.
+        for label, names, bounds in (("before", BEFORE, ()),
+                                     ("after", CANDIDATES, mechanism.in_flight_bounds(cost))):
             start = time.perf_counter()
-            peak, policy = lowest(graph, cost, names, allowed)
+            peak, policy, bound = lowest(graph, cost, names, allowed, bounds)
             entry[label] = {"min_peak_bytes": peak, "fraction_of_keep_all": peak / keep,
-                            "policy": policy, "search_s": time.perf_counter() - start}
+                            "policy": policy, "max_in_flight_bytes": bound,
+                            "search_s": time.perf_counter() - start}
         row["by_actions"].append(entry)
         print(f"{name} b{batch} {'/'.join(allowed)}: before "
               f"{entry['before']['fraction_of_keep_all']:.2f} "
