@@ -29,20 +29,16 @@ def lowest(graph, cost, names, allowed, bounds=()):
     """(lowest peak, policy reaching it, bound on copies in flight) among
     `names` allowed here, under the cost's own bound and each of `bounds`
     (what `auto` tries where nothing fits)."""
-    import dataclasses
-
     from keras_autovm.planner import choose
 
     best = None
-    tries = [cost.max_in_flight_bytes] + (list(bounds) if "swap" in allowed else [])
-    for bound in tries:
-        bounded = dataclasses.replace(cost, max_in_flight_bytes=bound)
+    for bounded in choose.bounded_costs(cost, allowed, bounds):
         for name in names:
             if not set(choose.REQUIRES[name]) <= set(allowed):
                 continue
             plan = choose._run(name, graph, bounded, 1, allowed)
             if best is None or plan.result.peak_bytes < best[0]:
-                best = (plan.result.peak_bytes, name, bound)
+                best = (plan.result.peak_bytes, name, bounded.max_in_flight_bytes)
     return best
 
 

@@ -48,9 +48,8 @@ def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
     if budget is None:
         return keep_all(graph, cost, budget)
     names = [n for n in CANDIDATES if set(REQUIRES[n]) <= set(allowed)]
-    tries = [cost.max_in_flight_bytes] + (list(bounds) if "swap" in allowed else [])
-    for bound in tries:
-        tried = dataclasses.replace(cost, max_in_flight_bytes=bound)
+    tries = bounded_costs(cost, allowed, bounds)
+    for tried in tries:
         plans = [_run(n, graph, tried, budget, allowed) for n in names]
         fitting = [p for p in plans if p.fits]
         if fitting:
@@ -60,15 +59,16 @@ def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
                                min(plans, key=lambda p: p.result.peak_bytes))
         raise PlanError(
             f"No plan fits the limit of {format_bytes(budget)} with actions "
-            f"{tuple(allowed)}{_bounded(bound, len(tries) > 1)}: the lowest "
+            f"{tuple(allowed)}{_bounded(tried.max_in_flight_bytes, len(tries) > 1)}: the lowest "
             f"predicted peak is {format_bytes(lowest.result.peak_bytes)} "
             f"({lowest.policy}).",
             least,
         )
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
-    if bound != cost.max_in_flight_bytes:
+    if tried.max_in_flight_bytes != cost.max_in_flight_bytes:
         best.notes.append(
-            f"auto bounded the copies to host in flight to {format_bytes(bound)} "
+            f"auto bounded the copies to host in flight to "
+            f"{format_bytes(tried.max_in_flight_bytes)} "
             f"(from {_bound_text(cost.max_in_flight_bytes)}): no plan fit with "
             f"the forward running further ahead of its copies.")
     if len(fitting) == 1:
@@ -113,6 +113,13 @@ CANDIDATES = ("keep_all", "hybrid", "greedy_offload", "sqrt_recompute",
 # How far ahead of its copies to host, in seconds of the link, the forward
 # may run under the bounds `in_flight_bounds` offers; 0: it waits for each.
 TIGHTER_IN_FLIGHT_SECONDS = (0.05, 0.0125, 0.0)
+
+
+def bounded_costs(cost, allowed, bounds):
+    """`cost`, then a copy of it under each of `bounds` (a bound on copies
+    to host in flight) where plans may swap: what `auto` tries in turn."""
+    tried = [cost.max_in_flight_bytes] + (list(bounds) if "swap" in allowed else [])
+    return [dataclasses.replace(cost, max_in_flight_bytes=b) for b in tried]
 
 
 def _bound_text(bound):
