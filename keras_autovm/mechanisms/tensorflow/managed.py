@@ -3,6 +3,7 @@
 With it, every tensor TensorFlow allocates on the GPU is CUDA managed memory:
 its pages can move to the host and back while its address stays the same,
 which is what AutoVM's TensorFlow swap (evict/prefetch ops) relies on.
+`PageMoves` says where a plan's evicts and prefetches go.
 """
 
 import keras
@@ -71,3 +72,30 @@ def enable_managed_memory(memory_fraction=0.9):
 def managed_memory_enabled():
     """Whether `enable_managed_memory` was called in this process."""
     return _state["enabled"]
+
+
+class PageMoves:
+    """Where each swapped tensor of a plan is evicted and its prefetch armed.
+
+    Only a recompute segment's last output carries gradient (the others are
+    handed to layers that ignore them), so duties of a layer inside a
+    segment move to the segment's last layer.
+    """
+
+    def __init__(self, applied):
+        plan = applied.plan
+        owner = {op: seg[-1] for seg in applied.segments for op in seg}
+        index = plan.graph.op_index
+        tensors = plan.graph.tensor_map
+        self.evict_after, self.prefetch_at = {}, {}
+        for tag in applied.names("swap"):
+            readers = tensors[tag].fwd_readers
+            if readers:
+                last = max(readers, key=index.__getitem__)
+                self.evict_after.setdefault(owner.get(last, last), []).append(tag)
+            trigger = plan.prefetch.get(tag)
+            if trigger is not None:
+                self.prefetch_at.setdefault(owner.get(trigger, trigger), []).append(tag)
+        moves = [t for ts in self.evict_after.values() for t in ts]
+        moves += [t for ts in self.prefetch_at.values() for t in ts]
+        self.uses = {t: moves.count(t) for t in applied.names("swap")}

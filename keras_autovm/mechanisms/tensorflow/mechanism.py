@@ -41,7 +41,7 @@ class TensorFlowMechanism(Mechanism):
                  "copy_backs_ungated", "reads_rewired", "in_flight_waits"), 0)
         # Swapped tensor -> [tensor, page moves still to insert for it].
         self._swapped = {}
-        self._moves = {}  # AppliedPlan -> its `PageMoves`.
+        self._moves = {}  # AppliedPlan -> its `managed.PageMoves`.
         self._explicit = None  # The `swap.ExplicitSwap` of the step being traced.
         # Set as each training function is made (`_xla_checked`): whether
         # its step runs under XLA, and who hears that a swap was left out.
@@ -273,7 +273,7 @@ class TensorFlowMechanism(Mechanism):
         if applied is None or not applied.names("swap"):
             return outputs
         if applied not in self._moves:
-            self._moves[applied] = PageMoves(applied)
+            self._moves[applied] = managed.PageMoves(applied)
         moves = self._moves[applied]
         if moves.uses.get(name):
             self._swapped[name] = [outputs, moves.uses[name]]
@@ -298,33 +298,6 @@ class TensorFlowMechanism(Mechanism):
         if not entry[1]:
             del self._swapped[tag]
         return entry[0]
-
-
-class PageMoves:
-    """Where each swapped tensor of a plan is evicted and its prefetch armed.
-
-    Only a recompute segment's last output carries gradient (the others are
-    handed to layers that ignore them), so duties of a layer inside a
-    segment move to the segment's last layer.
-    """
-
-    def __init__(self, applied):
-        plan = applied.plan
-        owner = {op: seg[-1] for seg in applied.segments for op in seg}
-        index = plan.graph.op_index
-        tensors = plan.graph.tensor_map
-        self.evict_after, self.prefetch_at = {}, {}
-        for tag in applied.names("swap"):
-            readers = tensors[tag].fwd_readers
-            if readers:
-                last = max(readers, key=index.__getitem__)
-                self.evict_after.setdefault(owner.get(last, last), []).append(tag)
-            trigger = plan.prefetch.get(tag)
-            if trigger is not None:
-                self.prefetch_at.setdefault(owner.get(trigger, trigger), []).append(tag)
-        moves = [t for ts in self.evict_after.values() for t in ts]
-        moves += [t for ts in self.prefetch_at.values() for t in ts]
-        self.uses = {t: moves.count(t) for t in applied.names("swap")}
 
 
 # Why an explicit swap needs its step without XLA.
