@@ -52,6 +52,8 @@ import sys
 import time
 import warnings
 
+START = time.perf_counter()  # MARK lines say when, to find where a slow run spends its time.
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 GiB = 2**30
@@ -215,6 +217,7 @@ def timer(backend):
         peak = None
 
         def on_epoch_begin(self, epoch, logs=None):
+            print(f"MARK epoch{epoch} at {time.perf_counter() - START:.1f} s", flush=True)
             self.times = []
             # The running peak at each step's ends: where it rises is where
             # the peak was (in a step, or between steps).
@@ -223,6 +226,7 @@ def timer(backend):
                 reset_peak(backend)
 
         def on_epoch_end(self, epoch, logs=None):
+            print(f"MARK epoch{epoch} ends at {time.perf_counter() - START:.1f} s", flush=True)
             self.peak = peak(backend)
             self.marks.append(("epoch_end", self.peak))
 
@@ -235,7 +239,9 @@ def timer(backend):
             self.times.append(time.perf_counter() - self.start)
             self.marks.append((f"end{batch}", peak(backend)))
             # As it goes: a run that fails later still shows how far it got.
-            print(f"MARK end{batch} peak {self.marks[-1][1]} {in_use(backend)}", flush=True)
+            print(f"MARK end{batch} peak {self.marks[-1][1]} {in_use(backend)} "
+                  f"step {self.times[-1]:.2f} s at {time.perf_counter() - START:.1f} s",
+                  flush=True)
 
     return StepTimer()
 
@@ -502,7 +508,9 @@ def spawn(args, part, model, extra=(), quiet=False):
                               timeout=args.timeout)
         text = proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as error:
-        text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else str(error.stdout)
+        text = "".join(out.decode() if isinstance(out, bytes) else out
+                       for out in (error.stdout or "", error.stderr or ""))
+        save_log(args, part, model, extra, text)  # How far it got, with times.
         return {"part": part, "model": model, "status": "timeout",
                 "wall_s": time.time() - start, "log_tail": text[-2000:]}
     save_log(args, part, model, extra, text)
