@@ -194,6 +194,50 @@ def test_a_step_over_the_budget_is_followed_by_a_new_plan(on_cpu, monkeypatch, s
     assert int(model.optimizer.iterations) == STEPS  # The first step stood.
 
 
+@pytest.fixture
+def cap_at_budget(monkeypatch):
+    """The allocator's limit is the budget, as under the GPU recipes' cap."""
+    from keras_autovm.mechanisms.tensorflow.mechanism import TensorFlowMechanism
+    budget = tight_budget()
+    monkeypatch.setattr(TensorFlowMechanism, "device_memory", lambda self: budget)
+    return budget
+
+
+def test_a_step_that_filled_the_allocator_is_followed_by_a_new_plan(
+        on_cpu, monkeypatch, said, cap_at_budget):
+    budget = cap_at_budget
+    filled = int(budget * (1 - on_cpu.AT_LIMIT / 2))  # Within the budget.
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+                 filled if n == 1 else plan.result.peak_bytes)
+    model, callback = train(policy="auto", budget=budget)
+    assert len(seen) == 2 and callback._runtime.stats["first_step_replans"] == 1
+    assert "filled the allocator's limit" in said[0] and "Replanned" in said[0]
+    assert seen[1].result.peak_bytes < seen[0].result.peak_bytes
+    assert int(model.optimizer.iterations) == STEPS  # The first step stood.
+
+
+def test_a_step_short_of_the_allocators_limit_is_kept(
+        on_cpu, monkeypatch, said, cap_at_budget):
+    budget = cap_at_budget
+    short = int(budget * (1 - on_cpu.AT_LIMIT * 2))
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: short)
+    _, callback = train(policy="auto", budget=budget)
+    assert len(seen) == 1 and "first_step_replans" not in callback._runtime.stats
+    assert "Kept: within the budget" in said[0]
+
+
+def test_where_nothing_fits_after_filling_the_allocator_the_plan_that_ran_stays(
+        on_cpu, monkeypatch, said, cap_at_budget):
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: cap_at_budget)
+    model, callback = train(policy="auto", budget=cap_at_budget)
+    runtime = callback._runtime
+    assert len(seen) == 1 and runtime.stats["first_step_replans"] == 1
+    assert runtime.current.plan is seen[0]
+    assert "filled the allocator's limit" in said[0] and "kept, since it ran" in said[0]
+    assert int(model.optimizer.iterations) == STEPS
+
+
 def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
         on_cpu, monkeypatch, said):
     monkeypatch.setattr(on_cpu, "RETRIES", 1)  # The small CNN has few plans.

@@ -253,14 +253,17 @@ def test_in_flight_waits_are_where_the_simulator_waits(bound):
     assert swap.in_flight_waits(chain_plan(None), swapped) == []
 
 
-def test_explicit_copies_run_unbounded_unless_a_plan_needs_a_bound():
+def test_explicit_copies_start_at_50_ms_of_the_link_and_tighten_where_needed():
     from keras_autovm.mechanisms.tensorflow.mechanism import TensorFlowMechanism
     from keras_autovm.planner import CostModel
 
     mechanism, cost = TensorFlowMechanism(), CostModel(d2h_bytes_per_s=1000)
+    bounded = mechanism.swap_cost(cost)
+    assert bounded.max_in_flight_bytes == 50
+    assert mechanism.in_flight_bounds(bounded) == (12.5, 0)
+    assert mechanism.swap_cost(CostModel(max_in_flight_bytes=7)).max_in_flight_bytes == 7
+    mechanism.managed = True  # Page moves are neither bounded nor waited for.
     assert mechanism.swap_cost(cost).max_in_flight_bytes is None
-    assert mechanism.in_flight_bounds(cost) == (50, 12.5, 0)
-    mechanism.managed = True  # Page moves cannot be waited for.
     assert mechanism.in_flight_bounds(cost) == ()
 
 

@@ -27,6 +27,12 @@ iterator function on the next step: neither step is timed):
 - it ran within the budget: the plan is kept (the headroom is for
   predictions); over its limit, the overhead (measured peak over
   predicted) is learnt for the plans made later, and said;
+- its peak reached the allocator's limit (within `AT_LIMIT`): the step
+  ran, but what it needs is unknown (at least that much), and the steps
+  after it may not run: on an H200, ResNet-152's at batch 264 (8 GiB cap)
+  peaked 1.8 KB short of the cap and the third step ran out of memory
+  (results/tensorflow/in_flight/). The overhead is learnt and the batch
+  size replanned; where no plan fits, the plan that ran is kept;
 - it ran over the budget: the step stands, the overhead is learnt, and
   the next step runs under a new plan, measured in its turn.
 
@@ -66,6 +72,10 @@ TIGHT = 2.0
 # recompute plan at batch 45, 8 GiB cap), on an H100. Without XLA, 1.09x to
 # 1.35x.
 XLA_OVERHEAD = 1.7
+# A measured peak this close to the allocator's limit (a share of it) is
+# taken to have filled it: the peaks that did came 1.8 KB to 25 KB short of
+# an 8 GiB cap, where steps that fitted peaked 60 MB or more short.
+AT_LIMIT = 0.001
 
 
 def device():
@@ -133,12 +143,13 @@ class FirstSteps:
 
     def _ran(self, plan, peak, logs):
         """A measured step that ran: kept within the budget (the headroom is
-        for predictions), replanned for the next step over it."""
+        for predictions), replanned for the next step over it or where it
+        filled the allocator."""
         runtime, plans = self.runtime, self.runtime.plans
-        batch = plan.graph.batch_size
         stats = runtime.stats
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
-        if peak <= plans.budget_bytes or self.replans == RETRIES:
+        full = self._filled(peak)
+        if (peak <= plans.budget_bytes and not full) or self.replans == RETRIES:
             if peak > plans.headroom_limit:
                 plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
                 runtime.warn(
@@ -147,13 +158,24 @@ class FirstSteps:
                        f"over the budget after {RETRIES} replans")
                     + "; plans made from now on allow for a measured memory "
                     f"overhead of {plans.memory_scale:.2f}x.")
-            runtime.fitted_keys.add(_key(plan))
-            runtime.fitted_plans[batch] = plan
+            self._fitted(plan)
             return logs
         plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
-        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, over the "
-                                       "budget", plans), "first_step_replans")
-        return logs  # The step stood; the next one runs under the new plan.
+        what = ("filled the allocator's limit" if full else "over the budget")
+        # The step stood; the next one runs under the new plan. Where none
+        # fits, this one ran within the budget: it stays.
+        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, {what}", plans),
+                     "first_step_replans", plan if peak <= plans.budget_bytes else None)
+        return logs
+
+    def _filled(self, peak):
+        """Whether `peak` reached the allocator's limit (`AT_LIMIT`)."""
+        limit = self.runtime.mechanism.device_memory()
+        return limit is not None and peak >= limit * (1 - AT_LIMIT)
+
+    def _fitted(self, plan):
+        self.runtime.fitted_keys.add(_key(plan))
+        self.runtime.fitted_plans[plan.graph.batch_size] = plan
 
     def _after_out_of_memory(self, plan, error):
         """Learns from a step that ran out of memory, and replans so that the
@@ -183,9 +205,14 @@ class FirstSteps:
                 raise
             new, said = fallback, ("No plan fits what it showed; back to the "
                                    "plan measured within the budget before.")
-        runtime.replace(new)
         self.replans += 1
         runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
+        if new is plan:  # It ran: kept, and not measured again.
+            self._fitted(plan)
+            runtime.warn(f"{seen} No plan fits what it showed; kept, since it ran "
+                         "within the budget.")
+            return
+        runtime.replace(new)
         runtime.warn(f"{seen} {said}")
         self.function = self._retraced()
 

@@ -24,6 +24,8 @@ from keras_autovm.mechanisms.tensorflow import managed
 from keras_autovm.mechanisms.tensorflow import swap
 from keras_autovm.mechanisms.tensorflow import timing
 
+# How far (in link time) the forward may run ahead of its explicit copies to host.
+IN_FLIGHT_SECONDS = 0.05
 
 class TensorFlowMechanism(Mechanism):
     """Keep, recompute, and swap by explicit copies or managed memory."""
@@ -232,11 +234,20 @@ class TensorFlowMechanism(Mechanism):
         return self._explicit
 
     @property
+    def in_flight_seconds(self):
+        """Explicit copies to host: bounded to `IN_FLIGHT_SECONDS` of the
+        link, as on torch and JAX. Started unbounded, VGG-19's plans at batch
+        100 and 104 under an 8 GiB cap ran out of memory in their first step
+        on an H200 (predicted 7.02 and 7.21 GiB, limit 7.60); started at this
+        bound they trained (7.28 and 7.49 GiB predicted, 7.94 and 8.00
+        measured; results/tensorflow/in_flight/). Page moves: `None`."""
+        return None if self.managed else IN_FLIGHT_SECONDS
+
+    @property
     def waits_for_copies(self):
-        """Explicit copies to host run unbounded (`in_flight_seconds` is
-        `None`), as before AutoVM bounded them; a plan that needs a bound
-        to fit gets one, and the forward waits on its copies
-        (`swap.ExplicitSwap.before_layer`). Page moves are not bounded."""
+        """The forward waits on its explicit copies to host where the plan's
+        bound says (`swap.ExplicitSwap.before_layer`). Page moves cannot be
+        waited for."""
         return not self.managed
 
     def before_layer(self, name, inputs, applied):
