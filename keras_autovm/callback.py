@@ -298,6 +298,8 @@ class AutoVM(keras.callbacks.Callback):
             plans.cost, plans.memory_scale = old
             self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
             return False
+        if self._stays(plan, new, measured, peak):
+            return False
         self._mechanism.keep_traced(plan, new)
         if new.refused is not None:  # Only tracing could tell: keep what runs.
             plans.cost, plans.memory_scale = old
@@ -310,6 +312,24 @@ class AutoVM(keras.callbacks.Callback):
             patches_lib.retrace(self._target, self._patches, self._runtime)
             return True
         return False
+
+    def _stays(self, plan, new, measured, peak):
+        """Whether `plan`, whose epoch peaked within the budget, stays in
+        force: a replan replaces it only with one predicted faster than it
+        ran (than it was predicted, where no step was timed: TensorFlow's
+        first steps of a plan compile). What was learnt (cost, overhead)
+        is kept for the plans made later. On an H200, ResNet-152's plan at
+        batch 264 under an 8 GiB cap ran 2.6 s steps within the budget; the
+        plan that the overhead learnt in its epoch led to swapped more, and
+        after it another, which ran 31 s steps (results/tensorflow/in_flight/)."""
+        if peak is None or peak > self._runtime.plans.budget_bytes:
+            return False
+        ran = measured if measured is not None else plan.result.step_time
+        if new.actions == plan.actions or new.result.step_time < ran:
+            return False
+        stats = self._runtime.stats
+        stats["replans_declined"] = stats.get("replans_declined", 0) + 1
+        return True
 
     def on_train_end(self, logs=None):
         if self._patches is None:

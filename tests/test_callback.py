@@ -259,6 +259,51 @@ def test_failed_replan_keeps_the_plan_in_use(monkeypatch):
     assert callback.plan is plan
 
 
+def replan_to(callback, monkeypatch, step_time):
+    """After a fit: the next replan gives a plan with other actions,
+    predicted at `step_time`; retraces are counted, not made."""
+    plan, plans = callback.plan, callback._runtime.plans
+    first, action = next(iter(plan.actions.items()))
+    other = dict(plan.actions, **{first: "keep" if action != "keep" else "recompute"})
+    new = dataclasses.replace(plan, actions=other,
+                              result=dataclasses.replace(plan.result, step_time=step_time))
+    monkeypatch.setattr(plans, "plan", lambda batch_size: new)
+    retraces = []
+    monkeypatch.setattr(keras_autovm.callback.patches_lib, "retrace",
+                        lambda *args: retraces.append(args))
+    return plan, new, retraces
+
+
+@pytest.mark.parametrize("timed", [True, False])
+@pytest.mark.parametrize("faster", [False, True])
+def test_a_plan_that_ran_within_the_budget_gives_way_only_to_a_faster_one(
+        monkeypatch, faster, timed):
+    """Faster than its steps measured or, where none was timed (TensorFlow's
+    first steps of a plan compile), than it was predicted."""
+    callback = autovm(policy="sqrt_recompute")
+    train(small_cnn, [callback], epochs=1)
+    predicted = callback.plan.result.step_time
+    measured = predicted * 10 if timed else None  # Far off: a replan is due.
+    plan, new, retraces = replan_to(callback, monkeypatch,
+                                    (measured or predicted) * (0.5 if faster else 2))
+    peak = callback._runtime.plans.budget_bytes  # Over the limit, within the budget.
+    assert callback._calibrate(measured, peak, plan) is faster
+    assert callback.plan.actions == (new if faster else plan).actions
+    assert len(retraces) == faster
+    assert callback._runtime.stats.get("replans_declined", 0) == (not faster)
+    # What was learnt stays for other plans.
+    assert callback._runtime.plans.memory_scale > 1
+
+
+def test_a_plan_over_the_budget_gives_way_to_a_slower_one(monkeypatch):
+    callback = autovm(policy="sqrt_recompute")
+    train(small_cnn, [callback], epochs=1)
+    measured = callback.plan.result.step_time * 10
+    plan, new, retraces = replan_to(callback, monkeypatch, measured * 2)
+    assert callback._calibrate(measured, callback._runtime.plans.budget_bytes + 1, plan)
+    assert callback.plan.actions == new.actions and len(retraces) == 1
+
+
 def test_a_replan_only_tracing_could_accept_keeps_the_plan_in_use(monkeypatch):
     """A replan the planner refuses, whose step only tracing could check
     (`Plan.refused`, JAX), is a failed replan: the plan that runs stays."""
