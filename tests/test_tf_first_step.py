@@ -126,6 +126,59 @@ def test_the_first_step_is_measured_once_and_trains_as_without(on_cpu, monkeypat
     assert stats == unmeasured._runtime.stats
 
 
+def traced(function, name):
+    """How many times the `tf.function` `name` in Keras's training
+    `function` (or in the wrappers it closes over) was traced."""
+    for cell in function.__closure__ or ():
+        inner = cell.cell_contents
+        if getattr(inner, "__name__", "") == name and hasattr(
+                inner, "experimental_get_tracing_count"):
+            return inner.experimental_get_tracing_count()
+        if callable(inner) and getattr(inner, "__closure__", None):
+            count = traced(inner, name)
+            if count is not None:
+                return count
+    return None
+
+
+def test_the_measured_step_is_the_function_the_fit_runs(on_cpu, monkeypatch):
+    """Measured through an iterator over its batch alone, with the fit's
+    element spec: the measured step runs Keras's iterator function, traced
+    once for the fit, and the step after it is timed."""
+    monkeypatch.setattr(on_cpu, "TIGHT", float("inf"))
+    measured = []
+    real_ran = on_cpu.FirstSteps._ran
+
+    def ran(self, plan, peak, logs):
+        measured.append((self, traced(self.function, "multi_step_on_iterator"),
+                         self.runtime.untimed_steps))
+        return real_ran(self, plan, peak, logs)
+
+    monkeypatch.setattr(on_cpu.FirstSteps, "_ran", ran)
+    model, _ = train(epochs=2)
+    [(steps, traces_then, untimed)] = measured
+    assert traces_then == 1 and untimed == 1
+    assert traced(steps.function, "multi_step_on_iterator") == 1
+    assert int(model.optimizer.iterations) == 2 * STEPS
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_one_batch_iterator_has_the_fits_element_spec(on_cpu, nested):
+    import tensorflow as tf
+
+    x, y = np.zeros((8, 4, 4, 3), "float32"), np.zeros((8, 2), "float32")
+    element = ({"image": x}, y) if nested else (x, y)
+    fits = iter(tf.data.Dataset.from_tensor_slices(element).batch(3))  # Last batch short.
+    spec = on_cpu._tensor_spec(fits)
+    assert tf.nest.flatten(spec)[0].shape.as_list() == [None, 4, 4, 3]
+    data = on_cpu.next_batch(fits)
+    one = on_cpu.one_batch_iterator(data, spec)
+    assert one.element_spec == spec
+    for got, want in zip(tf.nest.flatten(next(one)), tf.nest.flatten(data)):
+        np.testing.assert_array_equal(got, want)
+    assert on_cpu._tensor_spec(iter([data])) is None  # Not a tf.data iterator.
+
+
 def dropout_cnn(size):
     """The small CNN with dropout (a seed generator's state) before its head."""
     model = small_cnn(size)
