@@ -267,6 +267,31 @@ def test_explicit_copies_start_at_50_ms_of_the_link_and_tighten_where_needed():
     assert mechanism.in_flight_bounds(cost) == ()
 
 
+def test_tensorflows_own_copies_are_timed_as_the_swap_makes_them(monkeypatch):
+    """On the CPU both ends are host placements: the copies and the
+    figures' shape are checked, not a GPU's bandwidth."""
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import timing
+    from keras_autovm.mechanisms.tensorflow.mechanism import TensorFlowMechanism
+
+    monkeypatch.setattr(timing, "LINK_BYTES", 1 << 20)
+    link = timing.measure_link(device="CPU:0", host="/job:localhost/replica:0/task:0/device:CPU:0")
+    assert set(link) == {"pinned_d2h", "pinned_h2d", "pinned_both_d2h", "pinned_both_h2d"}
+    assert all(0 < gbps < float("inf") for gbps in link.values())
+    assert timing.measure_link() is None  # No GPU here.
+    mechanism = TensorFlowMechanism()
+    mechanism.managed = True  # Page moves are the native probe's.
+    assert mechanism.measure_link() is None
+
+    def refused(*args):
+        raise tf.errors.InternalError(None, None, "no copy")
+
+    monkeypatch.setattr(timing, "_link_gbps", refused)
+    with pytest.warns(UserWarning, match="could not time TensorFlow's copies: no copy"):
+        assert timing.measure_link(device="CPU:0") is None
+
+
 @pytest.fixture(scope="module")
 def bounded():
     """small_cnn under offload_all with no copy in flight: the callback, the

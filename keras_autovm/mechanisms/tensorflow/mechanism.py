@@ -89,6 +89,11 @@ class TensorFlowMechanism(Mechanism):
     def time_call(self, operation, args, kwargs, repeats):
         return timing.time_call(operation, args, kwargs, repeats)
 
+    def measure_link(self):
+        """TensorFlow's own copies, timed as its explicit swap makes them
+        (`timing.measure_link`); page moves are the native probe's."""
+        return None if self.managed else timing.measure_link()
+
     def device_memory(self):
         """The GPU's memory limit: the logical device's cap if one is set."""
         gpus = tf.config.list_physical_devices("GPU")
