@@ -298,7 +298,10 @@ class AutoVM(keras.callbacks.Callback):
             plans.cost, plans.memory_scale = old
             self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
             return False
-        if self._stays(plan, new, measured, peak):
+        stayed = self._stayed(plan, new, peak)
+        if stayed is not None:  # Same actions: nothing to trace again.
+            self._mechanism.keep_traced(plan, stayed)
+            self._runtime.replace(stayed)
             return False
         self._mechanism.keep_traced(plan, new)
         if new.refused is not None:  # Only tracing could tell: keep what runs.
@@ -313,23 +316,30 @@ class AutoVM(keras.callbacks.Callback):
             return True
         return False
 
-    def _stays(self, plan, new, measured, peak):
-        """Whether `plan`, whose epoch peaked within the budget, stays in
-        force: a replan replaces it only with one predicted faster than it
-        ran (than it was predicted, where no step was timed: TensorFlow's
-        first steps of a plan compile). What was learnt (cost, overhead)
-        is kept for the plans made later. On an H200, ResNet-152's plan at
-        batch 264 under an 8 GiB cap ran 2.6 s steps within the budget; the
-        plan that the overhead learnt in its epoch led to swapped more, and
-        after it another, which ran 31 s steps (results/tensorflow/in_flight/)."""
-        if peak is None or peak > self._runtime.plans.budget_bytes:
-            return False
-        ran = measured if measured is not None else plan.result.step_time
-        if new.actions == plan.actions or new.result.step_time < ran:
-            return False
+    def _stayed(self, plan, new, peak):
+        """`plan` predicted again with the cost just learnt
+        (`planner.repredicted`), where it stays in force instead of the
+        replan `new`; else `None`. It stays where its epoch peaked within
+        the budget, short of the allocator's limit, and `new` is not
+        predicted faster; the overhead learnt is kept for the plans made
+        later. On an H200, ResNet-152's plan at batch 264 under an 8 GiB cap
+        ran 2.6 s steps within the budget; the plan the overhead learnt in
+        its epoch led to filled the cap, and the one after it ran 31 to 49
+        s steps (results/tensorflow/rerun/)."""
+        plans = self._runtime.plans
+        if (peak is None or peak > plans.budget_bytes or new.actions == plan.actions
+                or self._mechanism.fills_allocator(peak)):
+            return None
+        stayed = planner.repredicted(plan, plans.cost)
+        if new.result.step_time < stayed.result.step_time:
+            return None
         stats = self._runtime.stats
         stats["replans_declined"] = stats.get("replans_declined", 0) + 1
-        return True
+        self._console.print_later(
+            f"AutoVM kept its plan: it ran within the budget, and the new plan "
+            f"is predicted at {new.result.step_time:.3g} s a step against its "
+            f"{stayed.result.step_time:.3g} s.")
+        return stayed
 
     def on_train_end(self, logs=None):
         if self._patches is None:

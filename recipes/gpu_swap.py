@@ -508,7 +508,7 @@ def spawn(args, part, model, extra=(), quiet=False):
                               timeout=args.timeout)
         text = proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as error:
-        text = "".join(out.decode() if isinstance(out, bytes) else out
+        text = "".join(out.decode(errors="replace") if isinstance(out, bytes) else out
                        for out in (error.stdout or "", error.stderr or ""))
         save_log(args, part, model, extra, text)  # How far it got, with times.
         return {"part": part, "model": model, "status": "timeout",

@@ -278,8 +278,9 @@ def replan_to(callback, monkeypatch, step_time):
 @pytest.mark.parametrize("faster", [False, True])
 def test_a_plan_that_ran_within_the_budget_gives_way_only_to_a_faster_one(
         monkeypatch, faster, timed):
-    """Faster than its steps measured or, where none was timed (TensorFlow's
-    first steps of a plan compile), than it was predicted."""
+    """Faster than it is now predicted: with the cost scaled to its measured
+    steps or, where none was timed (TensorFlow's first steps of a plan
+    compile), with the cost it was planned with."""
     callback = autovm(policy="sqrt_recompute")
     train(small_cnn, [callback], epochs=1)
     predicted = callback.plan.result.step_time
@@ -293,6 +294,34 @@ def test_a_plan_that_ran_within_the_budget_gives_way_only_to_a_faster_one(
     assert callback._runtime.stats.get("replans_declined", 0) == (not faster)
     # What was learnt stays for other plans.
     assert callback._runtime.plans.memory_scale > 1
+
+
+def test_a_plan_that_stays_is_calibrated_once(monkeypatch):
+    """It stays with what it is now predicted to cost: the same measured
+    step time does not scale the cost again at the next epoch's end."""
+    callback = autovm(policy="sqrt_recompute")
+    train(small_cnn, [callback], epochs=1)
+    measured = callback.plan.result.step_time * 10
+    plan, _, retraces = replan_to(callback, monkeypatch, measured * 2)
+    plans, peak = callback._runtime.plans, callback._runtime.plans.budget_bytes
+    assert not callback._calibrate(measured, peak, plan)
+    scaled = plans.cost
+    assert callback.plan.actions == plan.actions
+    assert callback.plan.result.step_time == pytest.approx(measured, rel=0.05)
+    assert not callback._calibrate(measured, peak, callback.plan)
+    assert plans.cost == scaled and not retraces
+    assert callback._runtime.stats["replans_declined"] == 1
+
+
+def test_a_plan_whose_epoch_filled_the_allocator_gives_way(monkeypatch):
+    callback = autovm(policy="sqrt_recompute")
+    train(small_cnn, [callback], epochs=1)
+    measured = callback.plan.result.step_time * 10
+    plan, new, retraces = replan_to(callback, monkeypatch, measured * 2)
+    monkeypatch.setattr(type(callback._mechanism), "device_memory",
+                        lambda self: callback._runtime.plans.budget_bytes)
+    assert callback._calibrate(measured, callback._runtime.plans.budget_bytes, plan)
+    assert callback.plan.actions == new.actions and len(retraces) == 1
 
 
 def test_a_plan_over_the_budget_gives_way_to_a_slower_one(monkeypatch):

@@ -5,12 +5,15 @@ budget, followed by a new plan when it ran over the budget
 CPU's allocator, which counts what it hands out as a GPU's does (tensors of
 a few KiB aside)."""
 
+import collections
+
 import keras
 import numpy as np
 import pytest
 
 import keras_autovm
 from conftest import BACKEND, data, small_cnn
+from keras_autovm.mechanisms.base import FILLED_WITHIN
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's first steps")
 
@@ -162,12 +165,15 @@ def test_the_measured_step_is_the_function_the_fit_runs(on_cpu, monkeypatch):
     assert int(model.optimizer.iterations) == 2 * STEPS
 
 
-@pytest.mark.parametrize("nested", [False, True])
-def test_a_one_batch_iterator_has_the_fits_element_spec(on_cpu, nested):
+Batch = collections.namedtuple("Batch", "x y")
+
+
+@pytest.mark.parametrize("kind", ["tuple", "nested", "namedtuple"])
+def test_a_one_batch_iterator_has_the_fits_element_spec(on_cpu, kind):
     import tensorflow as tf
 
     x, y = np.zeros((8, 4, 4, 3), "float32"), np.zeros((8, 2), "float32")
-    element = ({"image": x}, y) if nested else (x, y)
+    element = {"tuple": (x, y), "nested": ({"image": x}, y), "namedtuple": Batch(x, y)}[kind]
     fits = iter(tf.data.Dataset.from_tensor_slices(element).batch(3))  # Last batch short.
     spec = on_cpu._tensor_spec(fits)
     assert tf.nest.flatten(spec)[0].shape.as_list() == [None, 4, 4, 3]
@@ -177,6 +183,9 @@ def test_a_one_batch_iterator_has_the_fits_element_spec(on_cpu, nested):
     for got, want in zip(tf.nest.flatten(next(one)), tf.nest.flatten(data)):
         np.testing.assert_array_equal(got, want)
     assert on_cpu._tensor_spec(iter([data])) is None  # Not a tf.data iterator.
+    assert isinstance(on_cpu._batch_for(data, spec)(), tf.data.Iterator)
+    # A batch whose structure is not the spec's goes in a list.
+    assert on_cpu._batch_for(data, {"other": spec})() == [data]
 
 
 def dropout_cnn(size):
@@ -259,7 +268,7 @@ def cap_at_budget(monkeypatch):
 def test_a_step_that_filled_the_allocator_is_followed_by_a_new_plan(
         on_cpu, monkeypatch, said, cap_at_budget):
     budget = cap_at_budget
-    filled = int(budget * (1 - on_cpu.AT_LIMIT / 2))  # Within the budget.
+    filled = budget - FILLED_WITHIN // 2  # Within the budget.
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
                  filled if n == 1 else plan.result.peak_bytes)
     model, callback = train(policy="auto", budget=budget)
@@ -272,7 +281,8 @@ def test_a_step_that_filled_the_allocator_is_followed_by_a_new_plan(
 def test_a_step_short_of_the_allocators_limit_is_kept(
         on_cpu, monkeypatch, said, cap_at_budget):
     budget = cap_at_budget
-    short = int(budget * (1 - on_cpu.AT_LIMIT * 2))
+    short = budget - FILLED_WITHIN - 1
+    assert short > budget * 0.85  # Over the limit: kept, and said.
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: short)
     _, callback = train(policy="auto", budget=budget)
     assert len(seen) == 1 and "first_step_replans" not in callback._runtime.stats
@@ -285,9 +295,25 @@ def test_where_nothing_fits_after_filling_the_allocator_the_plan_that_ran_stays(
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: cap_at_budget)
     model, callback = train(policy="auto", budget=cap_at_budget)
     runtime = callback._runtime
-    assert len(seen) == 1 and runtime.stats["first_step_replans"] == 1
+    assert len(seen) == 1 and runtime.stats["first_step_kept"] == 1
+    assert "first_step_replans" not in runtime.stats
     assert runtime.current.plan is seen[0]
     assert "filled the allocator's limit" in said[0] and "kept, since it ran" in said[0]
+    assert int(model.optimizer.iterations) == STEPS
+
+
+def test_the_plan_that_filled_the_allocator_is_the_fallback_after_running_out(
+        on_cpu, monkeypatch, said, cap_at_budget):
+    """It ran: where the plan after it runs out of memory and no plan fits
+    what that showed, it comes back."""
+    from keras_autovm import oom
+    monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 100.0)
+    seen = watch(on_cpu, monkeypatch, fail=lambda n: n == 2,
+                 peak=lambda n, plan, measured: cap_at_budget - FILLED_WITHIN // 2)
+    model, callback = train(policy="auto", budget=cap_at_budget)
+    runtime = callback._runtime
+    assert len(seen) == 2 and runtime.current.plan is seen[0]
+    assert any("back to the plan measured within the budget" in line for line in said)
     assert int(model.optimizer.iterations) == STEPS
 
 

@@ -267,9 +267,9 @@ def test_explicit_copies_start_at_50_ms_of_the_link_and_tighten_where_needed():
     assert mechanism.in_flight_bounds(cost) == ()
 
 
-def test_tensorflows_own_copies_are_timed_as_the_swap_makes_them(monkeypatch):
-    """On the CPU both ends are host placements: the copies and the
-    figures' shape are checked, not a GPU's bandwidth."""
+def test_tensorflows_link_figures_take_the_pinned_keys_and_a_refusal_warns(monkeypatch):
+    """On the CPU both ends are host placements, so nothing crosses a link:
+    the figures' keys and the error path are checked, not a bandwidth."""
     import tensorflow as tf
 
     from keras_autovm.mechanisms.tensorflow import timing

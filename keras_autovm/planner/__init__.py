@@ -18,6 +18,7 @@ from .choose import POLICIES
 from .choose import REQUIRES
 from .choose import in_flight_bounds
 from .choose import make_plan
+from .choose import repredicted
 from .simulate import SimResult
 from .simulate import simulate
 
@@ -35,5 +36,6 @@ __all__ = [
     "in_flight_bounds",
     "memory_line",
     "make_plan",
+    "repredicted",
     "simulate",
 ]

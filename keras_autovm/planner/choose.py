@@ -17,6 +17,7 @@ from .policies import keep_all
 from .policies import offload_all
 from .policies import sqrt_offload
 from .policies import sqrt_recompute
+from .simulate import simulate
 
 
 def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
@@ -139,6 +140,21 @@ def in_flight_bounds(cost):
     own = cost.max_in_flight_bytes
     bounds = (cost.d2h_bytes_per_s * s for s in TIGHTER_IN_FLIGHT_SECONDS)
     return tuple(b for b in bounds if own is None or b < own)
+
+
+def repredicted(plan, cost):
+    """`plan`, its actions and prefetches kept, simulated again with the
+    compute times of `cost` (`time_scale` and `fwd_scale`, which calibration
+    learns); its own link figures and bounds stay. A plan left in force
+    after calibration is then compared, and calibrated again, against what
+    it is now predicted to cost, not what it was."""
+    scales = {"time_scale": cost.time_scale, "fwd_scale": cost.fwd_scale}
+    own = dataclasses.replace(plan.cost, **scales)
+    held = plan.unchanged and own.holds_outputs
+    result = simulate(plan.graph, plan.actions, plan.prefetch, own, hold_outputs=held)
+    if plan.unchanged:  # Its peak is the framework's own figure (JAX: XLA's).
+        result = dataclasses.replace(result, peak_bytes=plan.result.peak_bytes)
+    return dataclasses.replace(plan, cost=own, result=result)
 
 
 def make_plan(graph, budget, policy="auto", cost=None, allowed=ACTIONS, bounds=()):

@@ -289,3 +289,18 @@ def test_keep_all_leaves_the_step_unchanged_where_holding_outputs_fits(
     # A backend whose step frees outputs itself is never "unchanged".
     plain = make_plan(early_free_graph(), budget, policy="keep_all")
     assert (plain.unchanged, plain.result.peak_bytes) == (False, 110)
+
+
+def test_a_plan_predicted_again_keeps_its_actions_link_and_bound():
+    from keras_autovm.planner import make_plan
+    from keras_autovm.planner import repredicted
+
+    graph = conv_chain(8)
+    cost = CostModel(d2h_bytes_per_s=2**30, h2d_bytes_per_s=2**30, max_in_flight_bytes=2**20)
+    plan = make_plan(graph, None, policy="offload_all", cost=cost)
+    slower = dataclasses.replace(CostModel(), time_scale=3.0, fwd_scale=2.0)
+    again = repredicted(plan, slower)
+    assert again.actions == plan.actions and again.prefetch == plan.prefetch
+    assert again.cost == dataclasses.replace(cost, time_scale=3.0, fwd_scale=2.0)
+    assert again.result.compute_time > 2 * plan.result.compute_time
+    assert repredicted(plan, cost).result == plan.result

@@ -21,7 +21,7 @@ steps after it run. Keras's function for a batch given outside an
 iterator is another program: on an H200, ResNet-152's at batch 264 under
 an 8 GiB cap peaked at 7.85 and 7.91 GiB, and the iterator function's
 first step after it filled the cap; in two of three runs the step after
-that ran out of memory (results/tensorflow/in_flight/). The measured
+that ran out of memory (results/tensorflow/rerun/). The measured
 step compiles and is not timed:
 
 - it ran out of memory: the variables are put back (metrics Keras built
@@ -33,12 +33,13 @@ step compiles and is not timed:
 - it ran within the budget: the plan is kept (the headroom is for
   predictions); over its limit, the overhead (measured peak over
   predicted) is learnt for the plans made later, and said;
-- its peak reached the allocator's limit (within `AT_LIMIT`): the step
-  ran, but what it needs is unknown (at least that much), and the steps
-  after it may not run: on an H200, ResNet-152's at batch 264 (8 GiB cap)
-  peaked 1.8 KB short of the cap and the third step ran out of memory
-  (results/tensorflow/in_flight/). The overhead is learnt and the batch
-  size replanned; where no plan fits, the plan that ran is kept;
+- its peak reached the allocator's limit (`Mechanism.fills_allocator`):
+  the step ran, but what it needs is unknown (at least that much), and
+  the steps after it may not run: on an H200, ResNet-152's at batch 264
+  (8 GiB cap) peaked 1.8 KB short of the cap and the third step ran out of
+  memory (results/tensorflow/rerun/). The overhead is learnt and the batch
+  size replanned; where no plan fits, the plan that ran is kept, and it
+  is the fallback of a later step that runs out of memory;
 - it ran over the budget: the step stands, the overhead is learnt, and
   the next step runs under a new plan, measured in its turn.
 
@@ -78,10 +79,6 @@ TIGHT = 2.0
 # recompute plan at batch 45, 8 GiB cap), on an H100. Without XLA, 1.09x to
 # 1.35x.
 XLA_OVERHEAD = 1.7
-# A measured peak this close to the allocator's limit (a share of it) is
-# taken to have filled it: the peaks that did came 1.8 KB to 25 KB short of
-# an 8 GiB cap, where steps that fitted peaked 60 MB or more short.
-AT_LIMIT = 0.001
 
 
 def device():
@@ -128,8 +125,7 @@ class FirstSteps:
         whose element spec is `spec`, or `None` where Keras's iterator
         function cannot be given it alone) until it runs."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        batch = ((lambda: one_batch_iterator(data, spec)) if spec is not None
-                 else (lambda: [data]))  # Keras runs a batch in a list as one step.
+        batch = _batch_for(data, spec)
         while True:
             applied = self.runtime.plan_for_inputs(x)
             if not self._wanted(applied):  # Another batch size, or measured.
@@ -160,7 +156,7 @@ class FirstSteps:
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
-        full = self._filled(peak)
+        full = runtime.mechanism.fills_allocator(peak)
         if (peak <= plans.budget_bytes and not full) or self.replans == RETRIES:
             if peak > plans.headroom_limit:
                 plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
@@ -174,16 +170,14 @@ class FirstSteps:
             return logs
         plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
         what = ("filled the allocator's limit" if full else "over the budget")
+        ran = peak <= plans.budget_bytes
+        if ran:  # A fallback should the next plan run out of memory.
+            runtime.fitted_plans[plan.graph.batch_size] = plan
         # The step stood; the next one runs under the new plan. Where none
         # fits, this one ran within the budget: it stays.
         self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, {what}", plans),
-                     "first_step_replans", plan if peak <= plans.budget_bytes else None)
+                     "first_step_replans", plan if ran else None)
         return logs
-
-    def _filled(self, peak):
-        """Whether `peak` reached the allocator's limit (`AT_LIMIT`)."""
-        limit = self.runtime.mechanism.device_memory()
-        return limit is not None and peak >= limit * (1 - AT_LIMIT)
 
     def _fitted(self, plan):
         self.runtime.fitted_keys.add(_key(plan))
@@ -217,13 +211,15 @@ class FirstSteps:
                 raise
             new, said = fallback, ("No plan fits what it showed; back to the "
                                    "plan measured within the budget before.")
+            runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
         self.replans += 1
-        runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
         if new is plan:  # It ran: kept, and not measured again.
+            runtime.stats["first_step_kept"] = runtime.stats.get("first_step_kept", 0) + 1
             self._fitted(plan)
             runtime.warn(f"{seen} No plan fits what it showed; kept, since it ran "
                          "within the budget.")
             return
+        runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
         runtime.replace(new)
         runtime.warn(f"{seen} {said}")
         self.function = self._retraced()
@@ -278,6 +274,21 @@ def next_batch(iterator):
     return next(iter(iterator))
 
 
+def _batch_for(data, spec):
+    """What gives Keras's training function the batch `data` afresh for
+    each try: a one-batch iterator with the fit's element `spec`, or, where
+    there is none or the batch's structure does not match it, a list,
+    which Keras runs as one step through another program."""
+    if spec is not None:
+        try:
+            one_batch_iterator(data, spec)
+        except (TypeError, ValueError):
+            spec = None
+    if spec is None:
+        return lambda: [data]
+    return lambda: one_batch_iterator(data, spec)
+
+
 def _tensor_spec(iterator):
     """The element spec of `fit`'s `iterator` where a one-batch iterator
     can match it (a `tf.data.Iterator` of dense tensors), else `None`."""
@@ -292,10 +303,12 @@ def one_batch_iterator(data, spec):
     """An iterator over the one batch `data` whose element spec is `spec`
     (`data`'s shapes relaxed to it): Keras's training function, traced
     for it, is the one traced for the fit's iterator."""
-    def relaxed(*element):
-        element = element if isinstance(data, tuple) else element[0]
-        return tf.nest.map_structure(
-            lambda t, s: tf.compat.v1.placeholder_with_default(t, s.shape), element, spec)
+    tf.nest.assert_same_structure(data, spec)
+
+    def relaxed(*element):  # tf.data passes a tuple's items apart.
+        return tf.nest.pack_sequence_as(spec, [
+            tf.compat.v1.placeholder_with_default(t, s.shape)
+            for t, s in zip(tf.nest.flatten(element), tf.nest.flatten(spec))])
 
     return iter(tf.data.Dataset.from_tensors(data).map(relaxed))
 

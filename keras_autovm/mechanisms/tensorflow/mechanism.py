@@ -243,9 +243,11 @@ class TensorFlowMechanism(Mechanism):
         """Explicit copies to host: bounded to `IN_FLIGHT_SECONDS` of the
         link, as on torch and JAX. Started unbounded, VGG-19's plans at batch
         100 and 104 under an 8 GiB cap ran out of memory in their first step
-        on an H200 (predicted 7.02 and 7.21 GiB, limit 7.60); started at this
-        bound they trained (7.28 and 7.49 GiB predicted, 7.94 and 8.00
-        measured; results/tensorflow/in_flight/). Page moves: `None`."""
+        on an H200 (predicted 7.02 and 7.21 GiB, limit 7.60;
+        results/tensorflow/rerun/); started at this bound they trained once
+        (7.28 and 7.49 GiB predicted, 7.94 and 8.00 measured;
+        results/tensorflow/in_flight/) and failed once (rerun/). Page moves:
+        `None`."""
         return None if self.managed else IN_FLIGHT_SECONDS
 
     @property
