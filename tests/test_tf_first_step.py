@@ -172,20 +172,22 @@ Batch = collections.namedtuple("Batch", "x y")
 def test_a_one_batch_iterator_has_the_fits_element_spec(on_cpu, kind):
     import tensorflow as tf
 
+    from keras_autovm.mechanisms.tensorflow import one_batch
+
     x, y = np.zeros((8, 4, 4, 3), "float32"), np.zeros((8, 2), "float32")
     element = {"tuple": (x, y), "nested": ({"image": x}, y), "namedtuple": Batch(x, y)}[kind]
     fits = iter(tf.data.Dataset.from_tensor_slices(element).batch(3))  # Last batch short.
-    spec = on_cpu._tensor_spec(fits)
+    spec = one_batch.tensor_spec(fits)
     assert tf.nest.flatten(spec)[0].shape.as_list() == [None, 4, 4, 3]
-    data = on_cpu.next_batch(fits)
-    one = on_cpu.one_batch_iterator(data, spec)
+    data = one_batch.next_batch(fits)
+    one = one_batch.one_batch_iterator(data, spec)
     assert one.element_spec == spec
     for got, want in zip(tf.nest.flatten(next(one)), tf.nest.flatten(data)):
         np.testing.assert_array_equal(got, want)
-    assert on_cpu._tensor_spec(iter([data])) is None  # Not a tf.data iterator.
-    assert isinstance(on_cpu._batch_for(data, spec)(), tf.data.Iterator)
+    assert one_batch.tensor_spec(iter([data])) is None  # Not a tf.data iterator.
+    assert isinstance(one_batch.batch_for(data, spec)(), tf.data.Iterator)
     # A batch whose structure is not the spec's goes in a list.
-    assert on_cpu._batch_for(data, {"other": spec})() == [data]
+    assert one_batch.batch_for(data, {"other": spec})() == [data]
 
 
 def dropout_cnn(size):

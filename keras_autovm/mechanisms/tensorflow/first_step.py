@@ -16,7 +16,7 @@ iterator, keeps a host copy of every variable a step can change (weights,
 the optimizer's, built first if Keras has not yet, layer state and
 metrics), and runs Keras's training function on it, through an iterator
 over that batch alone whose element spec is the fit's
-(`one_batch_iterator`): the function traced and measured is the one the
+(`one_batch.one_batch_iterator`): the function traced and measured is the one the
 steps after it run. Keras's function for a batch given outside an
 iterator is another program: on an H200, ResNet-152's at batch 264 under
 an 8 GiB cap peaked at 7.85 and 7.91 GiB, and the iterator function's
@@ -63,6 +63,9 @@ import keras
 import tensorflow as tf
 
 from keras_autovm import oom
+from keras_autovm.mechanisms.tensorflow.one_batch import batch_for
+from keras_autovm.mechanisms.tensorflow.one_batch import next_batch
+from keras_autovm.mechanisms.tensorflow.one_batch import tensor_spec
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 
@@ -114,7 +117,7 @@ class FirstSteps:
     def __call__(self, iterator):
         if self.where is None or not self._wanted(self.runtime.current):
             return self.function(iterator)
-        return self._measured(next_batch(iterator), _tensor_spec(iterator))
+        return self._measured(next_batch(iterator), tensor_spec(iterator))
 
     def _wanted(self, applied):
         return (self.model.steps_per_execution == 1 and _tight(self.runtime, applied)
@@ -125,7 +128,7 @@ class FirstSteps:
         whose element spec is `spec`, or `None` where Keras's iterator
         function cannot be given it alone) until it runs."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        batch = _batch_for(data, spec)
+        batch = batch_for(data, spec)
         while True:
             applied = self.runtime.plan_for_inputs(x)
             if not self._wanted(applied):  # Another batch size, or measured.
@@ -261,56 +264,6 @@ def _under_xla(error):
         f"{error.message}\nAutoVM cannot undo a step that ran out of memory "
         "under XLA, so it does not run it again with a smaller plan: compile "
         "the model with jit_compile=False.")
-
-
-def next_batch(iterator):
-    """The next batch of `fit`'s iterator; `StopIteration` at its end, as
-    Keras's training function raises."""
-    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-        optional = iterator.get_next_as_optional()
-        if not optional.has_value():
-            raise StopIteration
-        return optional.get_value()
-    return next(iter(iterator))
-
-
-def _batch_for(data, spec):
-    """What gives Keras's training function the batch `data` afresh for
-    each try: a one-batch iterator with the fit's element `spec`, or, where
-    there is none or the batch's structure does not match it, a list,
-    which Keras runs as one step through another program."""
-    if spec is not None:
-        try:
-            one_batch_iterator(data, spec)
-        except (TypeError, ValueError):
-            spec = None
-    if spec is None:
-        return lambda: [data]
-    return lambda: one_batch_iterator(data, spec)
-
-
-def _tensor_spec(iterator):
-    """The element spec of `fit`'s `iterator` where a one-batch iterator
-    can match it (a `tf.data.Iterator` of dense tensors), else `None`."""
-    if not isinstance(iterator, tf.data.Iterator):
-        return None
-    spec = iterator.element_spec
-    dense = all(type(s) is tf.TensorSpec for s in tf.nest.flatten(spec))
-    return spec if dense else None
-
-
-def one_batch_iterator(data, spec):
-    """An iterator over the one batch `data` whose element spec is `spec`
-    (`data`'s shapes relaxed to it): Keras's training function, traced
-    for it, is the one traced for the fit's iterator."""
-    tf.nest.assert_same_structure(data, spec)
-
-    def relaxed(*element):  # tf.data passes a tuple's items apart.
-        return tf.nest.pack_sequence_as(spec, [
-            tf.compat.v1.placeholder_with_default(t, s.shape)
-            for t, s in zip(tf.nest.flatten(element), tf.nest.flatten(spec))])
-
-    return iter(tf.data.Dataset.from_tensors(data).map(relaxed))
 
 
 def run_measured(function, batch, where):
