@@ -1,23 +1,37 @@
-"""What AutoVM's layer timing adds to each call, against a real torch step.
+"""What AutoVM's layer timing adds to each call, against a real step.
 
     python3 recipes/gpu_timing_harness.py --models resnet152,vgg19 --batch 64 \\
         --out $OUT/timing_harness.json
+    python3 recipes/gpu_timing_harness.py --backend tensorflow --models resnet152 \\
+        --batch 64 --smaller 16,8 --out $OUT/timing_harness_tf.json
 
 Per model (random weights, 224x224, one process): AutoVM's profile of the
 layers (`profiling.measure`: each call's forward and backward timed alone,
-waited for; AutoVM's taking the trivial call's backward off each,
+waited for; on torch, AutoVM's taking the trivial call's backward off each,
 `timing.grad_call_s`, is turned off here and its figure recorded), the same
-timing of a layer that does next to nothing (one
-multiply on one number: what the timing itself costs a call), and three
-steps of plain Keras `fit` split into forward, backward and the rest by
-synchronizing the device around `loss.backward()`. Prints the sums of the
-layer times, with and without the trivial call's times taken off each,
-against the real step's forward and backward.
+timing of a layer that does next to nothing (one multiply on one number:
+what the timing itself costs a call), and a few steps of plain Keras
+training at the same batch. On torch the steps are split into forward,
+backward and the rest by synchronizing the device around
+`loss.backward()`; on TensorFlow and JAX only the whole step is timed
+(`train_on_batch` returns the loss, so it waits for the device), compiled
+without XLA, as AutoVM runs its plans.
+
+`--smaller A,B` also profiles at batches A > B and scales A's times up to
+`--batch` with the fixed part fitted from B (`Profile.with_fixed_times`),
+the way a profile timed under a tight budget is scaled to the fit's batch;
+its sums are recorded next to the ones timed at the batch itself.
+
+Also recorded: what waiting for an idle device costs (the clock stop each
+timing pays), and the link as the backend's `Mechanism.measure_link` times
+it (`null` where the mechanism has no timing of its own).
+
+Prints the sums of the layer times, with and without the trivial call's
+times taken off each, against the real step.
 """
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -66,48 +80,144 @@ def real_split(model, batch, steps):
     return [statistics.median(s[i] for s in splits) for i in range(3)]
 
 
+def whole_step(model, batch, steps):
+    """Median seconds of plain Keras steps (`train_on_batch` returns the
+    loss as a number, so each waits for the device)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, 224, 224, 3)).astype("float32")
+    y = rng.integers(0, 1000, batch)
+    model.train_on_batch(x, y)  # Warm-up: compiles, picks the convolutions.
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        float(model.train_on_batch(x, y))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def wait_cost(backend, repeats=20):
+    """Median seconds of waiting for an idle device: the clock stop each
+    layer timing pays."""
+    if backend == "tensorflow":
+        from keras_autovm.mechanisms.tensorflow.timing import _wait as wait
+    elif backend == "torch":
+        import torch
+        wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    else:
+        import jax
+        wait = lambda: jax.block_until_ready(jax.numpy.zeros(()))  # noqa: E731
+    wait()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sums(profile, scale=1.0):
+    """(forward, backward) sums of a profile's times at `scale` times its batch."""
+    times = [t.at(scale) for t in profile.layers]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
+
+
+def scaled_row(model, batch, smaller, mechanism):
+    """The profile at the larger of `smaller`, its fixed part fitted from the
+    other, scaled up to `batch`, as a tight budget's profile is."""
+    from keras_autovm import profiling
+
+    big, small = sorted(smaller, reverse=True)
+    fitted = profiling.measure(model, big, mechanism).with_fixed_times(
+        profiling.measure(model, small, mechanism))
+    fwd, bwd = sums(fitted, batch / big)
+    return {"batches": [big, small], "sum_fwd_s": fwd, "sum_bwd_s": bwd,
+            "profile_s": fitted.profile_s,
+            "layer_times": [(t.name, *t.at(batch / big)) for t in fitted.layers]}
+
+
+def model_row(name, args, mechanism, trivial):
+    import gpu_swap
+    from keras_autovm import profiling
+
+    model = gpu_swap.build(name, jit_compile=False)
+    profile = profiling.measure(model, args.batch, mechanism)
+    fwd, bwd = sums(profile)
+    less = (sum(max(t.fwd_s - trivial[0], 0) for t in profile.layers),
+            sum(max(t.bwd_s - trivial[1], 0) for t in profile.layers))
+    row = {"model": name, "layers": len(profile.layers), "profile_s": profile.profile_s,
+           "sum_fwd_s": fwd, "sum_bwd_s": bwd, "sum_fwd_less_trivial_s": less[0],
+           "sum_bwd_less_trivial_s": less[1], "link": profile.link,
+           "layer_times": [(t.name, t.fwd_s, t.bwd_s) for t in profile.layers]}
+    if args.smaller:
+        row["scaled"] = scaled_row(model, args.batch, args.smaller, mechanism)
+    if args.backend == "torch":
+        split = real_split(model, args.batch, args.steps)
+        row.update(real_fwd_s=split[0], real_bwd_s=split[1], real_rest_s=split[2],
+                   real_step_s=sum(split))
+    else:
+        row["real_step_s"] = whole_step(model, args.batch, args.steps)
+    return row
+
+
+def print_row(row):
+    line = (f"{row['model']}: {row['layers']} calls; layer sums fwd {row['sum_fwd_s']:.3f} s, "
+            f"bwd {row['sum_bwd_s']:.3f} s; less the trivial call "
+            f"{row['sum_fwd_less_trivial_s']:.3f}, {row['sum_bwd_less_trivial_s']:.3f}; "
+            f"real step {row['real_step_s']:.3f} s")
+    if "real_fwd_s" in row:
+        line += f" (fwd {row['real_fwd_s']:.3f}, bwd {row['real_bwd_s']:.3f})"
+    if "scaled" in row:
+        s = row["scaled"]
+        line += (f"; timed at {s['batches'][0]} (fixed part from {s['batches'][1]}) and "
+                 f"scaled: fwd {s['sum_fwd_s']:.3f}, bwd {s['sum_bwd_s']:.3f}")
+    print(line, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default=os.environ.get("KERAS_BACKEND", "torch"),
+                        choices=("torch", "tensorflow", "jax"))
     parser.add_argument("--models", default="resnet152,vgg19")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--smaller", type=lambda s: [int(b) for b in s.split(",")],
+                        default=None, help="two smaller batches, A,B (A > B)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.smaller and (len(args.smaller) != 2 or len(set(args.smaller)) != 2
+                         or max(args.smaller) >= args.batch):
+        parser.error(f"--smaller takes two different batches below --batch. "
+                     f"Received: --smaller={args.smaller}")
+    os.environ["KERAS_BACKEND"] = args.backend
     import gpu_swap
     import measure
     from keras_autovm import mechanisms
-    from keras_autovm import profiling
 
-    from keras_autovm.mechanisms.torch import timing
     mechanism = mechanisms.get()
-    # The layer times as timed, before AutoVM takes the trivial call off.
-    grad_call_s = timing.grad_call_s()
-    timing.grad_call_s = lambda: 0.0
-    fwd0, bwd0 = trivial_times(mechanism)
+    grad_call_s = None
+    if args.backend == "torch":
+        # The layer times as timed, before AutoVM takes the trivial call off.
+        from keras_autovm.mechanisms.torch import timing
+        grad_call_s = timing.grad_call_s()
+        timing.grad_call_s = lambda: 0.0
+    trivial = trivial_times(mechanism)
+    wait_s = wait_cost(args.backend)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv),
-               "versions": gpu_swap.versions("torch"),
-               "trivial_call_s": {"fwd": fwd0, "bwd": bwd0},
-               "grad_call_s": grad_call_s, "models": []}
-    print(f"trivial call: forward {fwd0 * 1e3:.3f} ms, backward {bwd0 * 1e3:.3f} ms")
+               "backend": args.backend, "batch": args.batch,
+               "versions": gpu_swap.versions(args.backend),
+               "trivial_call_s": {"fwd": trivial[0], "bwd": trivial[1]},
+               "wait_s": wait_s, "grad_call_s": grad_call_s,
+               "link": mechanism.measure_link(), "models": []}
+    print(f"trivial call: forward {trivial[0] * 1e3:.3f} ms, backward "
+          f"{trivial[1] * 1e3:.3f} ms; waiting for an idle device {wait_s * 1e3:.3f} ms; "
+          f"link {results['link']}", flush=True)
     for name in args.models.split(","):
-        model = gpu_swap.build(name)
-        profile = profiling.measure(model, args.batch, mechanism)
-        fwd = sum(t.fwd_s for t in profile.layers)
-        bwd = sum(t.bwd_s for t in profile.layers)
-        less = (sum(max(t.fwd_s - fwd0, 0) for t in profile.layers),
-                sum(max(t.bwd_s - bwd0, 0) for t in profile.layers))
-        split = real_split(model, args.batch, args.steps)
-        row = {"model": name, "layers": len(profile.layers), "profile_s": profile.profile_s,
-               "sum_fwd_s": fwd, "sum_bwd_s": bwd, "sum_fwd_less_trivial_s": less[0],
-               "sum_bwd_less_trivial_s": less[1], "real_fwd_s": split[0],
-               "real_bwd_s": split[1], "real_rest_s": split[2],
-               "layer_times": [(t.name, t.fwd_s, t.bwd_s) for t in profile.layers]}
+        row = model_row(name, args, mechanism, trivial)
         results["models"].append(row)
-        print(f"{name}: {len(profile.layers)} calls; layer sums fwd {fwd:.3f} s, "
-              f"bwd {bwd:.3f} s; less the trivial call {less[0]:.3f}, {less[1]:.3f}; "
-              f"real step fwd {split[0]:.3f}, bwd {split[1]:.3f}, rest {split[2]:.3f}")
-        del model
+        print_row(row)
     if args.out:
         measure.save(results, args.out)
 

@@ -503,3 +503,68 @@ def test_inputs_made_for_a_larger_batch_keep_what_is_not_batched():
     assert tuple(args[0].shape) == (8, 5) and args[1] is w
     assert tuple(kwargs["mask"].shape) == (8,) and kwargs["n"] == 2
     assert at_batch(((x,), {}), 3, 3)[0][0] is x
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_times_a_call_as_the_second_of_two_in_a_row(monkeypatch):
+    """What calling a `tf.function` and taking a tape's gradient cost in
+    Python is paid once by both timed functions, and cancels out."""
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    layer = keras.layers.Dense(8)
+    x = keras.ops.ones((4, 8))
+    layer(x)
+    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 + 0.01 * self.count)
+    monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 + 0.03 * self.count)
+    assert timing.time_call(layer, (x,), {}, 1) == pytest.approx((0.01, 0.03))
+    # Noise that makes the longer function no longer: the call costs what
+    # launching an op does, not nothing.
+    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 - 0.01 * self.count)
+    assert timing.time_call(layer, (x,), {}, 1)[0] == timing._LEAST_S > 0
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_runs_a_call_twice_after_grappler():
+    """Grappler folds two identical calls on the same arguments into one;
+    ordered one after the other, both run."""
+    from keras_autovm.mechanisms.tensorflow import internals
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    # Softsign: an op no other test runs, so that only this function has it.
+    layer = keras.layers.Activation("softsign")
+    x = keras.ops.ones((4, 8))
+
+    def forward(tv, xs):
+        return layer(xs[0])
+
+    runs = timing._Runs(forward, [], [x], timing._TWICE)
+    graphs = internals.tf_function_graphs(runs.runs, [], [x])
+    ops = [n.op for g in graphs for n in g.post_optimization_graph.node]
+    assert ops.count("Softsign") == timing._TWICE
+    np.testing.assert_array_equal(*runs.runs([], [x]))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_call_timed_once_where_two_do_not_fit(monkeypatch):
+    """Two calls in a row that run out of memory: the call timed once, less
+    what timing a call that does next to nothing costs."""
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    def seconds(base):
+        def run(self, repeats):
+            if self.count > 1:
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+            return base
+        return run
+
+    layer = keras.layers.Dense(8)
+    x = keras.ops.ones((4, 8))
+    layer(x)
+    idle = timing._idle_call_s()  # Measured before the runs are faked.
+    monkeypatch.setattr(timing._Runs, "forward_s", seconds(0.5))
+    monkeypatch.setattr(timing._Runs, "backward_s", seconds(0.7))
+    fwd, bwd = timing.time_call(layer, (x,), {}, 1)
+    assert fwd == pytest.approx(0.5 - idle[0]) and bwd == pytest.approx(0.7 - idle[1])
+    assert 0 < idle[0] < 0.5 and 0 < idle[1] < 0.7

@@ -5,8 +5,19 @@ persistent `tf.GradientTape` records one call of it as one operation, whose
 gradient is the function's own compiled backward; `tape.gradient` then runs
 that backward alone, as often as asked. Clocks stop after
 `tf.test.experimental.sync_devices()`, which waits for the GPU.
+
+What one call of a `tf.function` and one `tape.gradient` cost in Python
+is near a millisecond on an H200 (0.64 ms each for a layer that multiplies
+one number), more with more arguments, and a training step does not pay
+it per layer: ResNet-152's 516 layer calls timed so summed to 1.50 s at
+batch 64, its whole Keras step took 0.28 s
+(`results/tensorflow/timing/harness_h200_fa870f8.json`). So each call is
+timed twice, in a function that runs it once and in one that runs it twice
+in a row, on the same arguments; the difference is one call as a step runs
+it (`_TWICE`).
 """
 
+import functools
 import warnings
 
 import tensorflow as tf
@@ -14,6 +25,7 @@ import tensorflow as tf
 from keras_autovm.mechanisms.base import call_values
 from keras_autovm.mechanisms.base import median_seconds
 from keras_autovm.mechanisms.base import variable_values
+from keras_autovm.planner import CostModel
 
 # Bytes each copy of the link measurement moves.
 LINK_BYTES = 64 << 20
@@ -43,19 +55,85 @@ def time_call(operation, args, kwargs, repeats):
                            tf.nest.pack_sequence_as(args, full), kwargs)
 
     xs = [leaves[i] for i in floats]
-
-    @tf.function
-    def fwd(tv, xs):
-        return forward(tv, xs)
-
-    fwd_s = median_seconds(lambda: fwd(tv, xs), _wait, repeats)
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch([tv, xs])
-        outputs = [y for y in tf.nest.flatten(fwd(tv, xs)) if y.dtype.is_floating]
-    if not (tv or xs) or not outputs:
+    once, twice = (_Runs(forward, tv, xs, count) for count in (1, _TWICE))
+    fwd_s = _one_call(once.forward_s(repeats), _if_fits(twice.forward_s, repeats), 0)
+    bwd_once = once.backward_s(repeats) if tv or xs else None
+    if bwd_once is None:  # Nothing to differentiate.
         return fwd_s, 0.0
-    bwd_s = median_seconds(lambda: tape.gradient(outputs, [tv, xs]), _wait, repeats)
-    return fwd_s, bwd_s
+    return fwd_s, _one_call(bwd_once, _if_fits(twice.backward_s, repeats), 1)
+
+
+# The calls in the longer of the two timed functions.
+_TWICE = 2
+
+
+def _if_fits(seconds, repeats):
+    """`seconds(repeats)`, or `None` where the GPU runs out of memory: two
+    calls' outputs and what their backward keeps are more than one call's,
+    beside a profiling pass that holds every layer output."""
+    try:
+        return seconds(repeats)
+    except tf.errors.ResourceExhaustedError:
+        return None
+
+
+def _one_call(once, twice, phase):
+    """One call's seconds, from the functions running it once and `_TWICE`
+    times (`phase` 0: forward, 1: backward): what they pay for themselves
+    cancels out. Where the longer did not fit (`None`), the call timed once,
+    less what timing a call that does next to nothing costs. Noise can make
+    the longer one no longer: a call then costs what the planner counts for
+    launching an op (`CostModel.op_overhead_s`), not nothing."""
+    if twice is None:
+        return max(once - _idle_call_s()[phase], _LEAST_S)
+    return max((twice - once) / (_TWICE - 1), _LEAST_S)
+
+
+_LEAST_S = CostModel().op_overhead_s
+
+
+def _double(tv, xs):
+    return xs[0] * 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def _idle_call_s(repeats=5):
+    """`(forward_s, backward_s)` of timing, once, a call that doubles one number."""
+    runs = _Runs(_double, [], [tf.ones((1, 1))], 1)
+    return runs.forward_s(repeats), runs.backward_s(repeats)
+
+
+class _Runs:
+    """A layer's forward run `count` times in a row in one `tf.function`,
+    and the backward of all of them."""
+
+    def __init__(self, forward, tv, xs, count):
+        @tf.function
+        def runs(tv, xs):
+            outputs = [forward(tv, xs)]
+            for _ in range(count - 1):
+                # Ordered after the run before, the same call is another
+                # op to Grappler, not a duplicate to fold into it.
+                with tf.control_dependencies(tf.nest.flatten(outputs[-1])):
+                    outputs.append(forward(tv, xs))
+            return outputs
+
+        self.tv, self.xs, self.runs, self.count = tv, xs, runs, count
+
+    def forward_s(self, repeats):
+        return median_seconds(lambda: self.runs(self.tv, self.xs), _wait, repeats)
+
+    def backward_s(self, repeats):
+        """Seconds of the backward of the runs, recorded on a persistent
+        tape and freed after; `None` where no output is floating."""
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([self.tv, self.xs])
+            outputs = [y for y in tf.nest.flatten(self.runs(self.tv, self.xs))
+                       if y.dtype.is_floating]
+        if not outputs:
+            return None
+        return median_seconds(lambda: tape.gradient(outputs, [self.tv, self.xs]),
+                              _wait, repeats)
 
 
 def measure_link(device="GPU:0", host="CPU:0", repeats=3):
@@ -78,11 +156,6 @@ def measure_link(device="GPU:0", host="CPU:0", repeats=3):
 
 
 def _link_gbps(device, host, repeats):
-    with tf.device(device):
-        on_device = tf.zeros([LINK_BYTES], tf.uint8)
-    with tf.device(host):
-        on_host = tf.ones([LINK_BYTES], tf.uint8)
-
     def copy(x, where):
         with tf.device(where):
             return tf.raw_ops.Snapshot(input=x)
@@ -90,6 +163,12 @@ def _link_gbps(device, host, repeats):
     d2h = tf.function(lambda x: copy(x, host))
     h2d = tf.function(lambda h: copy(h, device))
     both = tf.function(lambda x, h: (copy(x, host), copy(h, device)))
+    with tf.device(device):
+        on_device = tf.zeros([LINK_BYTES], tf.uint8)
+    # What a swap copies back is what its copy to the host made, in the
+    # memory TensorFlow gave that copy. A tensor made on the host is in
+    # pageable memory: copied from there, 7.0 GB/s against 35.3 on an H200.
+    on_host = d2h(on_device)
     gbps = lambda seconds: LINK_BYTES / seconds / 1e9  # noqa: E731
     at_once = median_seconds(lambda: both(on_device, on_host), _wait, repeats)
     return {"pinned_d2h": gbps(median_seconds(lambda: d2h(on_device), _wait, repeats)),
