@@ -14,8 +14,8 @@ what the timing itself costs a call), and a few steps of plain Keras
 training at the same batch. On torch the steps are split into forward,
 backward and the rest by synchronizing the device around
 `loss.backward()`; on TensorFlow and JAX only the whole step is timed
-(`train_on_batch` returns the loss, so it waits for the device), compiled
-without XLA, as AutoVM runs its plans.
+(`train_on_batch` returns the loss, so it waits for the device), on
+TensorFlow without XLA, as AutoVM runs its plans there, on JAX jitted.
 
 `--smaller A,B` also profiles at batches A > B and scales A's times up to
 `--batch` with the fixed part fitted from B (`Profile.with_fixed_times`),
@@ -101,7 +101,8 @@ def wait_cost(backend, repeats=20):
     """Median seconds of waiting for an idle device: the clock stop each
     layer timing pays."""
     if backend == "tensorflow":
-        from keras_autovm.mechanisms.tensorflow.timing import _wait as wait
+        import tensorflow as tf
+        wait = tf.test.experimental.sync_devices
     elif backend == "torch":
         import torch
         wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -141,7 +142,8 @@ def model_row(name, args, mechanism, trivial):
     import gpu_swap
     from keras_autovm import profiling
 
-    model = gpu_swap.build(name, jit_compile=False)
+    # AutoVM runs TensorFlow plans without XLA; on JAX, False would not jit.
+    model = gpu_swap.build(name, jit_compile=False if args.backend == "tensorflow" else "auto")
     profile = profiling.measure(model, args.batch, mechanism)
     fwd, bwd = sums(profile)
     less = (sum(max(t.fwd_s - trivial[0], 0) for t in profile.layers),
@@ -175,14 +177,22 @@ def print_row(row):
     print(line, flush=True)
 
 
+def batches(text):
+    try:
+        return [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected batch sizes such as 10,5. Received: --smaller={text}") from None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=os.environ.get("KERAS_BACKEND", "torch"),
                         choices=("torch", "tensorflow", "jax"))
     parser.add_argument("--models", default="resnet152,vgg19")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--smaller", type=lambda s: [int(b) for b in s.split(",")],
-                        default=None, help="two smaller batches, A,B (A > B)")
+    parser.add_argument("--smaller", type=batches, default=None,
+                        help="two smaller batches, A,B (A > B)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -497,3 +497,22 @@ def test_prefetch_happens_where_the_plan_says(model_fn, mechanisms):
     if model_fn is small_cnn:  # A chain: every copy back was prefetched.
         assert callback.report.stats["copy_backs_at_use"] == 0
         assert set(prefetched) == {t for t, a in plan.actions.items() if a == "swap"} - {"head"}
+
+
+def test_jaxs_link_figures_are_its_own_copies_to_host_and_back(monkeypatch):
+    """On the CPU the copies go between its own `device` and `pinned_host`
+    memories: the figures' keys are checked, not a bandwidth."""
+    from keras_autovm import calibration
+    from keras_autovm.mechanisms.jax import timing
+
+    monkeypatch.setattr(timing, "LINK_BYTES", 1 << 20)
+    link = timing.measure_link(device=jax.devices()[0])
+    assert set(link) == {"pinned_d2h", "pinned_h2d", "pinned_both_d2h", "pinned_both_h2d"}
+    assert all(0 < gbps < float("inf") for gbps in link.values())
+    assert timing.measure_link() is None  # No GPU here.
+    # With a GPU, the profile's link takes them over the default figures.
+    mechanism = jax_mechanism.JaxMechanism()
+    monkeypatch.setattr(mechanism, "gpu_available", lambda: True)
+    monkeypatch.setattr(timing, "measure_link", lambda: link)
+    monkeypatch.setattr(calibration, "_link_probe", lambda: None)
+    assert calibration.measure_link(mechanism) == link

@@ -514,13 +514,16 @@ def test_tensorflow_times_a_call_as_the_second_of_two_in_a_row(monkeypatch):
     layer = keras.layers.Dense(8)
     x = keras.ops.ones((4, 8))
     layer(x)
-    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 + 0.01 * self.count)
-    monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 + 0.03 * self.count)
+    calls = lambda runs: len(runs.arguments)  # noqa: E731
+    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 + 0.01 * calls(self))
+    monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 + 0.03 * calls(self))
     assert timing.time_call(layer, (x,), {}, 1) == pytest.approx((0.01, 0.03))
     # Noise that makes the longer function no longer: the call costs what
     # launching an op does, not nothing.
-    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 - 0.01 * self.count)
-    assert timing.time_call(layer, (x,), {}, 1)[0] == timing._LEAST_S > 0
+    monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 - 0.01 * calls(self))
+    monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 - 0.03 * calls(self))
+    assert timing.time_call(layer, (x,), {}, 1) == (timing._LEAST_S, timing._LEAST_S)
+    assert timing._LEAST_S > 0
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
@@ -537,11 +540,11 @@ def test_tensorflow_runs_a_call_twice_after_grappler():
     def forward(tv, xs):
         return layer(xs[0])
 
-    runs = timing._Runs(forward, [], [x], timing._TWICE)
-    graphs = internals.tf_function_graphs(runs.runs, [], [x])
+    runs = timing._Runs(forward, [([], [x]), ([], [x])])
+    graphs = internals.tf_function_graphs(runs.runs, runs.arguments)
     ops = [n.op for g in graphs for n in g.post_optimization_graph.node]
-    assert ops.count("Softsign") == timing._TWICE
-    np.testing.assert_array_equal(*runs.runs([], [x]))
+    assert ops.count("Softsign") == 2
+    np.testing.assert_array_equal(*runs.runs(runs.arguments))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
@@ -554,7 +557,7 @@ def test_tensorflow_call_timed_once_where_two_do_not_fit(monkeypatch):
 
     def seconds(base):
         def run(self, repeats):
-            if self.count > 1:
+            if len(self.arguments) > 1:
                 raise tf.errors.ResourceExhaustedError(None, None, "OOM")
             return base
         return run
@@ -562,9 +565,64 @@ def test_tensorflow_call_timed_once_where_two_do_not_fit(monkeypatch):
     layer = keras.layers.Dense(8)
     x = keras.ops.ones((4, 8))
     layer(x)
-    idle = timing._idle_call_s()  # Measured before the runs are faked.
+    idle = timing._idle_call_s(timing._REPEATS)  # Measured before the runs are faked.
     monkeypatch.setattr(timing._Runs, "forward_s", seconds(0.5))
     monkeypatch.setattr(timing._Runs, "backward_s", seconds(0.7))
     fwd, bwd = timing.time_call(layer, (x,), {}, 1)
     assert fwd == pytest.approx(0.5 - idle[0]) and bwd == pytest.approx(0.7 - idle[1])
     assert 0 < idle[0] < 0.5 and 0 < idle[1] < 0.7
+
+
+def test_a_slow_warm_up_does_not_cut_the_timed_runs():
+    """The warm-up compiles (a `tf.function` traces): it does not say how
+    long the call runs, so it does not decide how often it is timed."""
+    import time
+
+    from keras_autovm.mechanisms.base import LONG_RUN_S
+    from keras_autovm.mechanisms.base import median_seconds
+
+    calls = []
+
+    def run():
+        if not calls:
+            time.sleep(2 * LONG_RUN_S)  # Compiling.
+        calls.append(1)
+
+    median_seconds(run, lambda result: None, 3)
+    assert len(calls) == 1 + 3
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_times_the_second_call_on_copies(monkeypatch):
+    """Two calls on the same tensors have a backward that adds their
+    gradients, which a training step does not: the second reads copies."""
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    made = []
+    init = timing._Runs.__init__
+    monkeypatch.setattr(timing._Runs, "__init__",
+                        lambda self, forward, arguments: made.append(arguments)
+                        or init(self, forward, arguments))
+    layer = keras.layers.Dense(8)
+    x = keras.ops.ones((4, 8))
+    layer(x)
+    assert all(t > 0 for t in timing.time_call(layer, (x,), {}, 1))
+    (first, second) = made[-1]
+    for ours, copy in zip(first[0] + first[1], second[0] + second[1], strict=True):
+        assert ours is not copy
+        np.testing.assert_array_equal(ours, copy)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_times_a_call_with_an_output_that_is_none():
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    class WithNone(keras.layers.Layer):
+        def call(self, x):
+            return {"y": x * 2.0, "aux": None}
+
+    x = keras.ops.ones((4, 8))
+    layer = WithNone()
+    layer(x)
+    fwd, bwd = timing.time_call(layer, (x,), {}, 1)
+    assert fwd > 0 and bwd > 0

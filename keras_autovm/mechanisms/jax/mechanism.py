@@ -132,6 +132,11 @@ class JaxMechanism(Mechanism):
     def time_call(self, operation, args, kwargs, repeats):
         return timing.time_call(operation, args, kwargs, repeats)
 
+    def measure_link(self):
+        """JAX's own copies to the host memory and back, as its swap makes
+        them (`timing.measure_link`)."""
+        return timing.measure_link()
+
     def call_timer(self, repeats, progress=None):
         # Calls are timed from their shapes, compiled together after the
         # pass: one at a time on a GPU, where XLA times kernels as it compiles.

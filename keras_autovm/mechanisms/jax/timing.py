@@ -28,6 +28,7 @@ from keras_autovm.mechanisms.base import call_values
 from keras_autovm.mechanisms.base import median_seconds
 from keras_autovm.mechanisms.base import variable_values
 from keras_autovm.mechanisms.jax.calls import is_float
+from keras_autovm.mechanisms.jax.swap import host_kind
 
 # Programs compiled at once without a GPU: on this project's 2-core CPU, 2
 # threads compiled ResNet50's calls in 6.4 s, 1 thread in 8.7 s. On a GPU
@@ -169,3 +170,36 @@ def _is_array(x):
 
 def _is_float(x):
     return _is_array(x) and is_float(x)
+
+
+# Bytes each copy of the link measurement moves.
+LINK_BYTES = 64 << 20
+
+
+def measure_link(device=None, repeats=3):
+    """GB/s of JAX's own copies as its swap makes them (`jax.device_put`
+    to the device's host memory kind, `swap.host_kind`, and back): to the
+    host, to the device, and both at once, under the pinned link's keys;
+    `None` without a GPU. `device` names the device to copy from (tests
+    copy between a CPU's own memories); the first GPU by default."""
+    if device is None:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if not gpus:
+            return None
+        device = gpus[0]
+    on_device = jax.device_put(jnp.zeros((LINK_BYTES,), jnp.uint8), device)
+    to_host = on_device.sharding.with_memory_kind(host_kind(device))
+    to_device = on_device.sharding.with_memory_kind("device")
+    # What a swap copies back is what its copy to the host made.
+    on_host = jax.block_until_ready(jax.device_put(on_device, to_host))
+
+    def both():
+        return jax.device_put(on_device, to_host), jax.device_put(on_host, to_device)
+
+    gbps = lambda seconds: LINK_BYTES / seconds / 1e9  # noqa: E731
+    at_once = median_seconds(both, jax.block_until_ready, repeats)
+    return {"pinned_d2h": gbps(median_seconds(lambda: jax.device_put(on_device, to_host),
+                                              jax.block_until_ready, repeats)),
+            "pinned_h2d": gbps(median_seconds(lambda: jax.device_put(on_host, to_device),
+                                              jax.block_until_ready, repeats)),
+            "pinned_both_d2h": gbps(at_once), "pinned_both_h2d": gbps(at_once)}

@@ -12,9 +12,8 @@ one number), more with more arguments, and a training step does not pay
 it per layer: ResNet-152's 516 layer calls timed so summed to 1.50 s at
 batch 64, its whole Keras step took 0.28 s
 (`results/tensorflow/timing/harness_h200_fa870f8.json`). So each call is
-timed twice, in a function that runs it once and in one that runs it twice
-in a row, on the same arguments; the difference is one call as a step runs
-it (`_TWICE`).
+timed in a function that runs it once and in one that runs it twice in a
+row; the difference is one call as a step runs it (`time_call`).
 """
 
 import functools
@@ -40,8 +39,22 @@ def _is_float(x):
     return isinstance(x, tf.Tensor) and x.dtype.is_floating
 
 
+# Runs timed of each function: a call is the difference of two times of
+# about the same size, so each is the median of more runs than one needs.
+_REPEATS = 5
+# A call costs at least what the planner counts for launching an op.
+_LEAST_S = CostModel.op_overhead_s
+
+
 def time_call(operation, args, kwargs, repeats):
-    """`(forward_s, backward_s)` of one layer call; see `Mechanism.time_call`."""
+    """`(forward_s, backward_s)` of one layer call; see `Mechanism.time_call`.
+
+    The difference between a function running the call twice in a row and
+    one running it once (the second call on copies of the arguments, so
+    that the backward does not add the two calls' gradients, which a step
+    does not). Where the two calls run out of memory, the call timed once,
+    less what timing a call that doubles one number costs.
+    """
     tv, ntv = variable_values(operation)
     tv = [tf.identity(x) for x in tv]
     leaves = tf.nest.flatten(args)
@@ -55,41 +68,38 @@ def time_call(operation, args, kwargs, repeats):
                            tf.nest.pack_sequence_as(args, full), kwargs)
 
     xs = [leaves[i] for i in floats]
-    once, twice = (_Runs(forward, tv, xs, count) for count in (1, _TWICE))
-    fwd_s = _one_call(once.forward_s(repeats), _if_fits(twice.forward_s, repeats), 0)
-    bwd_once = once.backward_s(repeats) if tv or xs else None
+    repeats = max(repeats, _REPEATS)
+    once = _Runs(forward, [(tv, xs)])
+    fwd_once = once.forward_s(repeats)
+    bwd_once = once.backward_s(repeats)
+    del once
+    fwd_twice = bwd_twice = None
+    try:
+        twice = _Runs(forward, [(tv, xs), _copies(tv, xs)])
+        fwd_twice = twice.forward_s(repeats)
+        if bwd_once is not None:
+            bwd_twice = twice.backward_s(repeats)
+    except tf.errors.ResourceExhaustedError:
+        pass  # Two calls beside a pass that holds every layer output.
+    fwd_idle, bwd_idle = _idle_call_s(repeats) if bwd_twice is None else (0.0, 0.0)
+    fwd_s = _one_call(fwd_once, fwd_twice, fwd_idle)
     if bwd_once is None:  # Nothing to differentiate.
         return fwd_s, 0.0
-    return fwd_s, _one_call(bwd_once, _if_fits(twice.backward_s, repeats), 1)
+    return fwd_s, _one_call(bwd_once, bwd_twice, bwd_idle)
 
 
-# The calls in the longer of the two timed functions.
-_TWICE = 2
+def _copies(tv, xs):
+    return [tf.identity(x) for x in tv], [tf.identity(x) for x in xs]
 
 
-def _if_fits(seconds, repeats):
-    """`seconds(repeats)`, or `None` where the GPU runs out of memory: two
-    calls' outputs and what their backward keeps are more than one call's,
-    beside a profiling pass that holds every layer output."""
-    try:
-        return seconds(repeats)
-    except tf.errors.ResourceExhaustedError:
-        return None
-
-
-def _one_call(once, twice, phase):
-    """One call's seconds, from the functions running it once and `_TWICE`
-    times (`phase` 0: forward, 1: backward): what they pay for themselves
-    cancels out. Where the longer did not fit (`None`), the call timed once,
-    less what timing a call that does next to nothing costs. Noise can make
-    the longer one no longer: a call then costs what the planner counts for
-    launching an op (`CostModel.op_overhead_s`), not nothing."""
+def _one_call(once, twice, idle):
+    """One call's seconds from the times of one call and of two (`None`:
+    not timed), else from one call's less `idle`; what each function pays
+    for itself cancels out. Noise can make two calls no longer than one:
+    the call then costs `_LEAST_S`, not nothing."""
     if twice is None:
-        return max(once - _idle_call_s()[phase], _LEAST_S)
-    return max((twice - once) / (_TWICE - 1), _LEAST_S)
-
-
-_LEAST_S = CostModel().op_overhead_s
+        return max(once - idle, _LEAST_S)
+    return max(twice - once, _LEAST_S)
 
 
 def _double(tv, xs):
@@ -97,43 +107,53 @@ def _double(tv, xs):
 
 
 @functools.lru_cache(maxsize=None)
-def _idle_call_s(repeats=5):
+def _idle_call_s(repeats):
     """`(forward_s, backward_s)` of timing, once, a call that doubles one number."""
-    runs = _Runs(_double, [], [tf.ones((1, 1))], 1)
+    runs = _Runs(_double, [([], [tf.ones((1, 1))])])
     return runs.forward_s(repeats), runs.backward_s(repeats)
 
 
-class _Runs:
-    """A layer's forward run `count` times in a row in one `tf.function`,
-    and the backward of all of them."""
+def _tensors(structure):
+    return [y for y in tf.nest.flatten(structure) if tf.is_tensor(y)]
 
-    def __init__(self, forward, tv, xs, count):
+
+class _Runs:
+    """A layer's forward run once per `(tv, xs)` of `arguments`, each after
+    the one before, in one `tf.function`; and the backward of all of them."""
+
+    def __init__(self, forward, arguments):
         @tf.function
-        def runs(tv, xs):
-            outputs = [forward(tv, xs)]
-            for _ in range(count - 1):
+        def runs(arguments):
+            outputs, last = [], []
+            for tv, xs in arguments:
                 # Ordered after the run before, the same call is another
                 # op to Grappler, not a duplicate to fold into it.
-                with tf.control_dependencies(tf.nest.flatten(outputs[-1])):
+                with tf.control_dependencies(last):
                     outputs.append(forward(tv, xs))
+                last = _tensors(outputs[-1])
             return outputs
 
-        self.tv, self.xs, self.runs, self.count = tv, xs, runs, count
+        self.arguments, self.runs = arguments, runs
 
     def forward_s(self, repeats):
-        return median_seconds(lambda: self.runs(self.tv, self.xs), _wait, repeats)
+        return median_seconds(lambda: self.runs(self.arguments), _wait, repeats)
 
     def backward_s(self, repeats):
-        """Seconds of the backward of the runs, recorded on a persistent
-        tape and freed after; `None` where no output is floating."""
+        """Seconds of the backward of the runs, on a persistent tape freed
+        after; `None` where nothing is floating, in or out. The gradients
+        flowing in are made once, outside the clock."""
+        sources = [list(pair) for pair in self.arguments]
+        if not any(tv or xs for tv, xs in sources):
+            return None
         with tf.GradientTape(persistent=True) as tape:
-            tape.watch([self.tv, self.xs])
-            outputs = [y for y in tf.nest.flatten(self.runs(self.tv, self.xs))
+            tape.watch(sources)
+            outputs = [y for y in _tensors(self.runs(self.arguments))
                        if y.dtype.is_floating]
         if not outputs:
             return None
-        return median_seconds(lambda: tape.gradient(outputs, [self.tv, self.xs]),
-                              _wait, repeats)
+        ones = [tf.ones_like(y) for y in outputs]
+        return median_seconds(
+            lambda: tape.gradient(outputs, sources, output_gradients=ones), _wait, repeats)
 
 
 def measure_link(device="GPU:0", host="CPU:0", repeats=3):
