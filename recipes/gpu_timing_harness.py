@@ -58,17 +58,25 @@ def trivial_times(mechanism, repeats=20):
     return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
 
 
-def real_split(model, batch, steps):
-    """Median (forward, backward, rest) seconds of plain Keras steps."""
+def warmed_batch(model, batch):
+    """A random batch of 224x224 images and labels, after one step on it
+    (it compiles, and the convolutions' algorithms are picked)."""
     import numpy as np
-    import torch
-
-    import measure
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, 224, 224, 3)).astype("float32")
     y = rng.integers(0, 1000, batch)
-    model.train_on_batch(x, y)  # Warm-up: cuDNN picks its algorithms.
+    model.train_on_batch(x, y)
+    return x, y
+
+
+def real_split(model, batch, steps):
+    """Median (forward, backward, rest) seconds of plain Keras steps."""
+    import torch
+
+    import measure
+
+    x, y = warmed_batch(model, batch)
     splits = []
     with measure.backward_marks(torch) as marks:
         for _ in range(steps):
@@ -83,12 +91,7 @@ def real_split(model, batch, steps):
 def whole_step(model, batch, steps):
     """Median seconds of plain Keras steps (`train_on_batch` returns the
     loss as a number, so each waits for the device)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch, 224, 224, 3)).astype("float32")
-    y = rng.integers(0, 1000, batch)
-    model.train_on_batch(x, y)  # Warm-up: compiles, picks the convolutions.
+    x, y = warmed_batch(model, batch)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -578,8 +578,8 @@ def test_a_slow_warm_up_does_not_cut_the_timed_runs():
     long the call runs, so it does not decide how often it is timed."""
     import time
 
-    from keras_autovm.mechanisms.base import LONG_RUN_S
-    from keras_autovm.mechanisms.base import median_seconds
+    from keras_autovm.mechanisms.timing import LONG_RUN_S
+    from keras_autovm.mechanisms.timing import median_seconds
 
     calls = []
 

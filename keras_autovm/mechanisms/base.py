@@ -17,12 +17,10 @@ overrides what differs; see docs/architecture.md.
 import contextlib
 import dataclasses
 import platform
-import statistics
-import time
 
 import keras
 
-from keras_autovm import internals
+from keras_autovm.mechanisms.timing import CallTimer
 from keras_autovm.planner import choose
 
 # A measured peak this few bytes short of the allocator's limit, or closer,
@@ -299,72 +297,3 @@ class Mechanism:
         `function`, traced for the plan in force, unless the mechanism
         watches its steps (TensorFlow measures first steps)."""
         return function
-
-
-class CallTimer:
-    """Times distinct layer calls as the profiling pass adds them.
-
-    `add(key, operation, args, kwargs)` times one call with `time_call`
-    (`Mechanism.time_call`'s signature); the caller adds each `key` once
-    (`key in timer`). `results()` maps each key to its
-    `(forward_s, backward_s)`.
-    """
-
-    def __init__(self, time_call, repeats, progress=None):
-        self._time_call = time_call
-        self.repeats = repeats
-        self.progress = progress
-        self.times = {}
-
-    def __contains__(self, key):
-        return key in self.times
-
-    def add(self, key, operation, args, kwargs):
-        self.times[key] = self._time_call(operation, args, kwargs, self.repeats)
-        if self.progress is not None:
-            self.progress(len(self.times))
-
-    def results(self):
-        return dict(self.times)
-
-
-# A run that takes this long is timed once: its time is well above the
-# clock's and the launch noise, and profiling stays short.
-LONG_RUN_S = 0.01
-
-
-def median_seconds(run, wait, repeats):
-    """Median wall time of `run()` over `repeats` runs (one run when the
-    first took over `LONG_RUN_S`) after one warm-up (which compiles, where
-    the backend compiles), each stopped after `wait(result)` says the device
-    is done. The warm-up does not decide: a `tf.function` traces in its
-    first call, tens of milliseconds for a call that then runs in one."""
-    wait(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        wait(run())
-        times.append(time.perf_counter() - start)
-        if times[0] > LONG_RUN_S:
-            break
-    return statistics.median(times)
-
-
-def call_values(operation, tv, ntv, args, kwargs):
-    """Calls a layer on explicit variable values without changing it
-    (`stateless_call`); a raw `keras.ops` operation has no variables."""
-    if isinstance(operation, keras.layers.Layer):
-        # `stateless_call` runs `call` directly, so passes on only what it takes.
-        if not internals.call_takes_training(operation):
-            kwargs = {k: v for k, v in kwargs.items() if k != "training"}
-        outputs, _ = operation.stateless_call(tv, ntv, *args, **kwargs)
-        return outputs
-    return operation(*args, **kwargs)
-
-
-def variable_values(operation):
-    """The trainable and non-trainable variable values of a layer call."""
-    if not isinstance(operation, keras.layers.Layer):
-        return [], []
-    return ([v.value for v in operation.trainable_variables],
-            [v.value for v in operation.non_trainable_variables])

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_autovm.mechanisms.base import CallTimer
-from keras_autovm.mechanisms.base import call_values
-from keras_autovm.mechanisms.base import median_seconds
-from keras_autovm.mechanisms.base import variable_values
+from keras_autovm.mechanisms.timing import CallTimer
+from keras_autovm.mechanisms.timing import call_values
+from keras_autovm.mechanisms.timing import link_gbps
+from keras_autovm.mechanisms.timing import median_seconds
+from keras_autovm.mechanisms.timing import variable_values
 from keras_autovm.mechanisms.jax.calls import is_float
 from keras_autovm.mechanisms.jax.swap import host_kind
 
@@ -193,13 +194,11 @@ def measure_link(device=None, repeats=3):
     # What a swap copies back is what its copy to the host made.
     on_host = jax.block_until_ready(jax.device_put(on_device, to_host))
 
-    def both():
-        return jax.device_put(on_device, to_host), jax.device_put(on_host, to_device)
+    def d2h():
+        return jax.device_put(on_device, to_host)
 
-    gbps = lambda seconds: LINK_BYTES / seconds / 1e9  # noqa: E731
-    at_once = median_seconds(both, jax.block_until_ready, repeats)
-    return {"pinned_d2h": gbps(median_seconds(lambda: jax.device_put(on_device, to_host),
-                                              jax.block_until_ready, repeats)),
-            "pinned_h2d": gbps(median_seconds(lambda: jax.device_put(on_host, to_device),
-                                              jax.block_until_ready, repeats)),
-            "pinned_both_d2h": gbps(at_once), "pinned_both_h2d": gbps(at_once)}
+    def h2d():
+        return jax.device_put(on_host, to_device)
+
+    return link_gbps(LINK_BYTES, d2h, h2d, lambda: (d2h(), h2d()),
+                     jax.block_until_ready, repeats)

@@ -21,9 +21,10 @@ import warnings
 
 import tensorflow as tf
 
-from keras_autovm.mechanisms.base import call_values
-from keras_autovm.mechanisms.base import median_seconds
-from keras_autovm.mechanisms.base import variable_values
+from keras_autovm.mechanisms.timing import call_values
+from keras_autovm.mechanisms.timing import link_gbps
+from keras_autovm.mechanisms.timing import median_seconds
+from keras_autovm.mechanisms.timing import variable_values
 from keras_autovm.planner import CostModel
 
 # Bytes each copy of the link measurement moves.
@@ -189,8 +190,5 @@ def _link_gbps(device, host, repeats):
     # memory TensorFlow gave that copy. A tensor made on the host is in
     # pageable memory: copied from there, 7.0 GB/s against 35.3 on an H200.
     on_host = d2h(on_device)
-    gbps = lambda seconds: LINK_BYTES / seconds / 1e9  # noqa: E731
-    at_once = median_seconds(lambda: both(on_device, on_host), _wait, repeats)
-    return {"pinned_d2h": gbps(median_seconds(lambda: d2h(on_device), _wait, repeats)),
-            "pinned_h2d": gbps(median_seconds(lambda: h2d(on_host), _wait, repeats)),
-            "pinned_both_d2h": gbps(at_once), "pinned_both_h2d": gbps(at_once)}
+    return link_gbps(LINK_BYTES, lambda: d2h(on_device), lambda: h2d(on_host),
+                     lambda: both(on_device, on_host), _wait, repeats)

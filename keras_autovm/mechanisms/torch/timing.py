@@ -17,9 +17,10 @@ import time
 import keras
 import torch
 
-from keras_autovm.mechanisms.base import call_values
-from keras_autovm.mechanisms.base import median_seconds
-from keras_autovm.mechanisms.base import variable_values
+from keras_autovm.mechanisms.timing import call_values
+from keras_autovm.mechanisms.timing import link_gbps
+from keras_autovm.mechanisms.timing import median_seconds
+from keras_autovm.mechanisms.timing import variable_values
 
 # Bytes per copy when measuring the link: large enough for the copy engines
 # to reach their rate (measured: 55 GB/s from 64 MiB up on an H200).
@@ -138,8 +139,4 @@ def measure_link(repeats=3):
 
     d2h = lambda: on(streams[0], lambda: host.copy_(device, non_blocking=True))  # noqa: E731
     h2d = lambda: on(streams[1], lambda: device2.copy_(host2, non_blocking=True))  # noqa: E731
-    both = median_seconds(lambda: (d2h(), h2d()), _wait, repeats)
-    gbps = lambda s: n / s / 1e9  # noqa: E731
-    return {"pinned_d2h": gbps(median_seconds(d2h, _wait, repeats)),
-            "pinned_h2d": gbps(median_seconds(h2d, _wait, repeats)),
-            "pinned_both_d2h": gbps(both), "pinned_both_h2d": gbps(both)}
+    return link_gbps(n, d2h, h2d, lambda: (d2h(), h2d()), _wait, repeats)
