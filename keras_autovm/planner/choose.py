@@ -39,7 +39,9 @@ def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
             (`in_flight_bounds` makes them). Defaults to none.
 
     Returns:
-        The fitting `Plan` with the lowest predicted step time.
+        The fitting `Plan` with the lowest predicted step time; where none
+        fits, but a search under a larger limit (`_least`) reached a peak
+        within the budget, that plan, with a note.
 
     Raises:
         PlanError: if no candidate fits; `min_budget` is the least limit
@@ -58,13 +60,20 @@ def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
     if not fitting:
         least, lowest = _least(graph, tried, budget, allowed, names,
                                min(plans, key=lambda p: p.result.peak_bytes))
-        raise PlanError(
-            f"No plan fits the limit of {format_bytes(budget)} with actions "
-            f"{tuple(allowed)}{_bounded(tried.max_in_flight_bytes, len(tries) > 1)}: the lowest "
-            f"predicted peak is {format_bytes(lowest.result.peak_bytes)} "
-            f"({lowest.policy}).",
-            least,
-        )
+        if lowest.result.peak_bytes > budget:
+            raise PlanError(
+                f"No plan fits the limit of {format_bytes(budget)} with actions "
+                f"{tuple(allowed)}{_bounded(tried.max_in_flight_bytes, len(tries) > 1)}: "
+                f"the lowest predicted peak is {format_bytes(lowest.result.peak_bytes)} "
+                f"({lowest.policy}).",
+                least,
+            )
+        # A greedy path depends on its limit: planning for a larger one, a
+        # candidate reached a peak within this one (on an H200, a refusal
+        # had stated a least limit of 4.66 GiB for a limit of 4.75 GiB).
+        fitting = [dataclasses.replace(lowest, budget=budget, notes=lowest.notes + [
+            "auto found this plan searching under a larger limit: under the "
+            "limit itself no search reached it."])]
     best = min(fitting, key=lambda p: (p.result.step_time, _changed(p)))
     if tried.max_in_flight_bytes != cost.max_in_flight_bytes:
         best.notes.append(

@@ -304,3 +304,30 @@ def test_a_plan_predicted_again_keeps_its_actions_link_and_bound():
     assert again.cost == dataclasses.replace(cost, time_scale=3.0, fwd_scale=2.0)
     assert again.result.compute_time > 2 * plan.result.compute_time
     assert repredicted(plan, cost).result == plan.result
+
+
+def test_auto_returns_a_plan_found_under_a_larger_limit(monkeypatch):
+    # A candidate whose search, like a greedy one, depends on its limit:
+    # under a tight one it reaches only keeping everything, under a larger
+    # one it offloads. Asked for a limit between, auto used to refuse while
+    # stating a lowest peak (or, on an H200, a least limit) within it.
+    from keras_autovm.planner import choose
+    g = conv_chain(16)
+    low = peak("offload_all", g)
+
+    def path_dependent(graph, cost, budget):
+        if budget is not None and budget < low + 100:
+            return POLICIES["keep_all"](graph, cost, budget)
+        return dataclasses.replace(POLICIES["offload_all"](graph, cost, budget),
+                                   policy="path_dependent")
+
+    monkeypatch.setitem(choose.POLICIES, "path_dependent", path_dependent)
+    monkeypatch.setitem(choose.REQUIRES, "path_dependent", ())
+    monkeypatch.setattr(choose, "CANDIDATES", ("keep_all", "path_dependent"))
+    plan = make_plan(g, low + 50)
+    assert plan.fits and plan.budget == low + 50
+    assert plan.policy == "path_dependent" and plan.result.peak_bytes == low
+    assert any("under a larger limit" in n for n in plan.notes)
+    with pytest.raises(PlanError) as info:  # Below its peak: still refused.
+        make_plan(g, low - 1)
+    assert info.value.min_budget > low - 1
