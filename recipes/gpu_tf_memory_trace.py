@@ -184,7 +184,6 @@ def _layer(op, layers):
 
 
 def run(args):
-    import keras
     import numpy as np
     import tensorflow as tf
 
@@ -285,11 +284,18 @@ def several(args, runs):
             cmd += ["--smoke"] if args.smoke else []
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
+                timed_out = None
+            except subprocess.TimeoutExpired as error:
+                timed_out = error
+            try:
                 with open(path) as f:
                     out["runs"].append(json.load(f))
-            except (subprocess.TimeoutExpired, OSError, ValueError) as error:
+                if timed_out:  # On an H200 a run wrote its result, then hung on exit.
+                    out["runs"][-1]["exit"] = f"wrote this, then did not exit in {args.timeout} s"
+            except (OSError, ValueError) as error:
                 out["runs"].append({"variant": variant, "batch": batch,
-                                    "error": f"{type(error).__name__}: {error}"[-500:]})
+                                    "error": f"{type(timed_out or error).__name__}: "
+                                             f"{timed_out or error}"[-500:]})
                 print_summary(out["runs"][-1])
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
@@ -306,6 +312,11 @@ def print_summary(result):
              if "predicted_peak_bytes" in result else ""))
     for row in result["live_at_peak"][:15]:
         print(f"  {row['pass']:9s} {row['layer'][:40]:40s} {row['bytes'] / 2**20:10.1f} MiB")
+    # In the output too: a run that hangs after writing its JSON may lose it.
+    print("  largest allocations live at the peak:")
+    for row in result["largest_live_at_peak"][:10]:
+        print(f"    {row['allocation_bytes'] / 2**20:10.1f} MiB {row['region_type']} "
+              f"{row['shape']} {str(row['tf_op'])[-100:]}")
 
 
 if __name__ == "__main__":

@@ -227,11 +227,12 @@ def main():
     print(f"trivial call: forward {trivial[0] * 1e3:.3f} ms, backward "
           f"{trivial[1] * 1e3:.3f} ms; waiting for an idle device {wait_s * 1e3:.3f} ms; "
           f"link {results['link']}", flush=True)
+    # Saved after each part, so that a run cut off keeps what it did.
+    measure.save(results, args.out)
     for name in args.models.split(","):
         row = model_row(name, args, mechanism, trivial)
         results["models"].append(row)
         print_row(row)
-    if args.out:
         measure.save(results, args.out)
 
 

@@ -1,14 +1,19 @@
-"""The memory-trace recipe's replay of torch's allocator history (plain
-Python: the recipe runs on a GPU, its arithmetic is checked here)."""
+"""The memory-trace recipes' arithmetic and bookkeeping (plain Python: the
+recipes run on a GPU, what they compute is checked here)."""
 
+import argparse
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "recipes" / "gpu_torch_memory_trace.py"
+_RECIPES = pathlib.Path(__file__).resolve().parents[1] / "recipes"
+_PATH = _RECIPES / "gpu_torch_memory_trace.py"
 
 
-def _recipe():
-    spec = importlib.util.spec_from_file_location("gpu_torch_memory_trace", _PATH)
+def _recipe(path=_PATH):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,3 +51,26 @@ def test_worst_window_is_where_the_measured_peak_exceeds_the_plan_most():
              {"kind": "fwd_end", "op": "b", "peak_since_last": 30, "predicted": (20, 25)},
              {"kind": "bwd_start", "op": "b", "peak_since_last": 12, "predicted": (12, 12)}]
     assert recipe.worst_window(trace) == ["fwd_end:a", "fwd_end:b"]
+
+
+def test_tf_trace_keeps_a_result_written_before_its_process_hung(tmp_path, monkeypatch):
+    # On an H200, a ResNet-152 run wrote its result, then did not exit: the
+    # result was lost with the timeout. A run that wrote nothing is an error.
+    # The recipe sets KERAS_BACKEND as it loads; the test's is restored.
+    monkeypatch.setenv("KERAS_BACKEND", os.environ.get("KERAS_BACKEND", "tensorflow"))
+    recipe = _recipe(_RECIPES / "gpu_tf_memory_trace.py")
+
+    def hung(cmd, timeout, check):
+        if "autovm:keep_all" in cmd:
+            out = cmd[cmd.index("--out") + 1]
+            pathlib.Path(out).write_text(json.dumps({"variant": "autovm:keep_all", "peak": 7}))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", hung)
+    out = tmp_path / "trace.json"
+    args = argparse.Namespace(model="small", steps=2, cap_gib=0.0, budget_gib=0.0,
+                              smoke=True, timeout=5, out=str(out))
+    recipe.several(args, [("autovm:keep_all", 16), ("keras", 16)])
+    kept, lost = json.loads(out.read_text())["runs"]
+    assert kept["peak"] == 7 and "did not exit in 5 s" in kept["exit"]
+    assert lost["variant"] == "keras" and lost["error"].startswith("TimeoutExpired")
