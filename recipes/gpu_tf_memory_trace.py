@@ -15,7 +15,9 @@ allocator with the op that made it, the tensor's shape, its region
 (output, temp, persist) and the allocator's bytes in use after it. From
 them: the step's peak, and what was live at that moment, grouped by layer
 and by pass (forward, backward, optimizer), next to what the plan says is
-live at its own peak (`SimResult.peak_live`) for the AutoVM variants.
+live at its own peak (`SimResult.peak_live`) for the AutoVM variants, and
+what the plan has in use while the layer where the step peaked runs
+(`peak_layer`, `predicted_at_peak_layer_bytes`).
 
 Variants (`--variant`): `keras` (Keras's step, `jit_compile=False`),
 `keras_xla` (Keras's default on TensorFlow: under XLA an op is a compiled
@@ -130,7 +132,7 @@ def live_at_peak(events):
     the step: weights, optimizer state)."""
     if not events:
         return None
-    live, best, best_live = {}, -1, {}
+    live, best, best_live, best_op = {}, -1, {}, None
     first = events[0][2]
     sign = 1 if events[0][1] == "MemoryAllocation" else -1
     before = first.get("bytes_allocated", 0) - sign * first.get("allocation_bytes", 0)
@@ -141,8 +143,8 @@ def live_at_peak(events):
         else:
             live.pop(addr, None)
         if stats.get("bytes_allocated", 0) > best:
-            best, best_live = stats["bytes_allocated"], dict(live)
-    return {"peak_bytes": best, "held_before_bytes": before,
+            best, best_live, best_op = stats["bytes_allocated"], dict(live), stats.get("tf_op")
+    return {"peak_bytes": best, "held_before_bytes": before, "peak_op": best_op or "?",
             "allocator_peak_bytes": max(s.get("peak_bytes_in_use", 0) for _, _, s in events),
             "live": list(best_live.values())}
 
@@ -227,7 +229,25 @@ def run(args):
         out.update(predicted_peak_bytes=plan.result.peak_bytes, policy=plan.policy,
                    counts=plan.counts(), stats=callbacks[0].report.stats,
                    predicted_live_at_peak=[list(x) for x in plan.result.peak_live])
+        # What the plan has in use where the step peaked, not at its own peak.
+        phase = "bwd" if _pass(out["peak_op"]) == "backward" else "fwd"
+        out["peak_layer"] = [phase, _layer(out["peak_op"], layers)]
+        out["predicted_at_peak_layer_bytes"] = predicted_during(
+            plan.result, out["peak_layer"][1], phase)
     return out
+
+
+def predicted_during(result, op, phase):
+    """The most a `SimResult` has in use while `op`'s `phase` ("fwd" or
+    "bwd") runs, or `None` where it does not run: from what it allocated
+    as it started (the last point at its start) to before its end (the
+    points at its end are its frees and the next op's allocations)."""
+    for event in result.op_events:
+        if event.op == op and event.phase == phase:
+            started = [b for t, b in result.timeline if t <= event.start][-1:]
+            inside = [b for t, b in result.timeline if event.start < t < event.end]
+            return max(started + inside)
+    return None
 
 
 def main():
@@ -310,6 +330,10 @@ def print_summary(result):
           f"{result['held_before_bytes'] / GiB:.3f} GiB)"
           + (f"; plan {result['predicted_peak_bytes'] / GiB:.3f} GiB"
              if "predicted_peak_bytes" in result else ""))
+    if result.get("predicted_at_peak_layer_bytes") is not None:
+        phase, layer = result["peak_layer"]
+        print(f"  peaked in the {phase} of {layer}, where the plan has "
+              f"{result['predicted_at_peak_layer_bytes'] / GiB:.3f} GiB in use")
     for row in result["live_at_peak"][:15]:
         print(f"  {row['pass']:9s} {row['layer'][:40]:40s} {row['bytes'] / 2**20:10.1f} MiB")
     # In the output too: a run that hangs after writing its JSON may lose it.

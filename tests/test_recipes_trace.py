@@ -74,3 +74,43 @@ def test_tf_trace_keeps_a_result_written_before_its_process_hung(tmp_path, monke
     kept, lost = json.loads(out.read_text())["runs"]
     assert kept["peak"] == 7 and "did not exit in 5 s" in kept["exit"]
     assert lost["variant"] == "keras" and lost["error"].startswith("TimeoutExpired")
+
+
+def _tf_recipe(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", os.environ.get("KERAS_BACKEND", "tensorflow"))
+    return _recipe(_RECIPES / "gpu_tf_memory_trace.py")
+
+
+def test_tf_trace_names_the_op_at_the_peak(monkeypatch):
+    recipe = _tf_recipe(monkeypatch)
+
+    def event(kind, addr, size, in_use, op):
+        return (0, kind, {"addr": addr, "allocation_bytes": size, "bytes_allocated": in_use,
+                          "tf_op": op})
+
+    events = [event("MemoryAllocation", 1, 10, 110, "model/a/Conv2D"),
+              event("MemoryAllocation", 2, 30, 140, "gradient_tape/model/b/Mul"),
+              event("MemoryDeallocation", 1, 10, 130, "gradient_tape/model/a/Relu")]
+    found = recipe.live_at_peak(events)
+    assert found["peak_bytes"] == 140 and found["peak_op"] == "gradient_tape/model/b/Mul"
+    assert recipe._layer(found["peak_op"], {"a", "b"}) == "b"
+
+
+def test_tf_trace_reads_what_the_plan_has_in_use_while_an_op_runs(monkeypatch):
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "planner"))
+    from planner_graphs import chain
+    from keras_autovm.planner import simulate
+
+    recipe = _tf_recipe(monkeypatch)
+    # o0 -> t0 (100) -> o1 -> t1 (10) -> o2 -> t2 (1), all kept: o1's
+    # backward has t0 and the gradients of t1 and t0 (t1 died with o2's
+    # backward); o2's forward has t0, t1 and t2.
+    result = simulate(chain([100, 10, 1]))
+    assert recipe.predicted_during(result, "o1", "bwd") == 100 + 10 + 100
+    assert recipe.predicted_during(result, "o2", "fwd") == 111
+    # A copy back that lands while o1's backward runs counts there.
+    swapped = simulate(chain([100, 10, 1]), actions={"t0": "swap"}, prefetch={"t0": "o1"})
+    assert recipe.predicted_during(swapped, "o1", "bwd") == 210
+    assert recipe.predicted_during(swapped, "o2", "fwd") < 111
+    assert recipe.predicted_during(result, "o9", "bwd") is None
