@@ -122,14 +122,23 @@ def planning_cost(cost, mechanism):
                                holds_outputs=mechanism.holds_outputs)
 
 
+def limit_for(budget_bytes, headroom, memory_scale=1.0, memory_extra=0):
+    """The limit plans must fit: the budget less the headroom, divided by
+    the measured overhead `memory_scale`, or less the measured overhead in
+    bytes `memory_extra`, whichever leaves less."""
+    room = budget_bytes * (1 - headroom)
+    return int(min(room / memory_scale, room - memory_extra))
+
+
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
-                memory_scale=1.0):
+                memory_scale=1.0, memory_extra=0):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
 
     `"auto"` chooses among the actions the mechanism recommends; a policy
     named explicitly may use any action the mechanism can carry out.
     `memory_scale` is how much more memory than predicted a plan was
-    measured to use: plans must then fit the limit divided by it.
+    measured to use, and `memory_extra` how many bytes more: plans must
+    then fit the limit of `limit_for`.
 
     Raises:
         keras_autovm.PlanError: no plan fits; its `min_budget` is the least
@@ -142,26 +151,29 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
             f"Policy {policy!r} needs the {lacking[0]!r} action, which AutoVM "
             f"cannot carry out on the {keras.backend.backend()} backend (it can "
             f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
-    limit = int(budget_bytes * (1 - headroom) / memory_scale)
+    limit = limit_for(budget_bytes, headroom, memory_scale, memory_extra)
     cost = planning_cost(cost, mechanism)
     try:
-        plan = planner.make_plan(graph, limit, policy=policy, cost=cost,
+        # A measured overhead may leave nothing (`max`): the PlanError then
+        # states what the least plan needs.
+        plan = planner.make_plan(graph, max(limit, 1), policy=policy, cost=cost,
                                  allowed=allowed, bounds=mechanism.in_flight_bounds(cost))
     except planner.PlanError as error:
-        if not headroom and memory_scale == 1.0:
+        if not headroom and memory_scale == 1.0 and not memory_extra:
             raise
         # State the minimum in the user's terms: the budget they would pass.
-        least = math.ceil(error.min_budget * memory_scale / (1 - headroom)) + 1
+        need = max(error.min_budget * memory_scale, error.min_budget + memory_extra)
+        least = math.ceil(need / (1 - headroom)) + 1
+        overhead = planner.overhead_text(memory_scale, memory_extra)
         raise planner.PlanError(
             f"No plan fits budget={planner.format_bytes(budget_bytes)}: with "
             f"{headroom * 100:g}% headroom"
-            + (f" and a measured memory overhead of {memory_scale:.2f}x"
-               if memory_scale != 1.0 else "")
-            + f" the limit is {planner.format_bytes(limit)}, and the least any "
+            + (f" and a measured memory overhead of {overhead}" if overhead else "")
+            + f" the limit is {planner.format_bytes(max(limit, 0))}, and the least any "
             f"{policy!r} plan needs is {planner.format_bytes(error.min_budget)}.",
             least) from None
     return dataclasses.replace(plan, device_budget=budget_bytes, headroom=headroom,
-                               memory_scale=memory_scale)
+                               memory_scale=memory_scale, memory_extra=memory_extra)
 
 
 @dataclasses.dataclass
@@ -181,6 +193,9 @@ class PlanBook:
             graphs carry, or `None` (roofline estimates). Defaults to `None`.
         memory_scale: measured peak over predicted peak, learnt between
             epochs (see `plan_within`). Defaults to 1.0.
+        memory_extra: measured peak less predicted peak, in bytes, where
+            the mechanism learns it (TensorFlow's measured first step; see
+            `plan_within`). Defaults to 0.
     """
 
     model: object
@@ -192,6 +207,7 @@ class PlanBook:
     announce: object = None
     profile: object = None
     memory_scale: float = 1.0
+    memory_extra: int = 0
     _graphs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -201,7 +217,8 @@ class PlanBook:
     @property
     def headroom_limit(self):
         """The budget less the headroom: what a step may measure, before
-        any learnt overhead (`memory_scale`) divides it for plans."""
+        any learnt overhead (`memory_scale`, `memory_extra`) lowers it
+        for plans."""
         return self.budget_bytes * (1 - self.headroom)
 
     def shapes_at(self, batch_size):
@@ -235,7 +252,7 @@ class PlanBook:
             try:
                 plan = plan_within(self._graphs[key], self.budget_bytes,
                                    self.headroom, self.policy, self.cost,
-                                   self.mechanism, self.memory_scale)
+                                   self.mechanism, self.memory_scale, self.memory_extra)
             except planner.PlanError as error:
                 if not self.mechanism.checks_own_step(self.policy):
                     raise
@@ -248,10 +265,11 @@ class PlanBook:
         """Keep-all under this book's limit, whether or not it fits."""
         plan = planner.make_plan(graph, None, policy="keep_all",
                                  cost=planning_cost(self.cost, self.mechanism))
-        limit = int(self.budget_bytes * (1 - self.headroom) / self.memory_scale)
+        limit = limit_for(self.budget_bytes, self.headroom, self.memory_scale,
+                          self.memory_extra)
         return dataclasses.replace(plan, budget=limit, device_budget=self.budget_bytes,
-                                   headroom=self.headroom,
-                                   memory_scale=self.memory_scale, **changes)
+                                   headroom=self.headroom, memory_scale=self.memory_scale,
+                                   memory_extra=self.memory_extra, **changes)
 
     def _own_step(self, graph, input_shapes):
         """The framework's own step, unchanged, where its own figure for it

@@ -351,7 +351,8 @@ class AutoVM(keras.callbacks.Callback):
             return
         stats = dict(self._runtime.stats, **self._mechanism.stats,
                      profile=self._profile_source,
-                     memory_scale=self._runtime.plans.memory_scale)
+                     memory_scale=self._runtime.plans.memory_scale,
+                     memory_extra=self._runtime.plans.memory_extra)
         if self.measured is not None:
             stats["profile_s"] = self.measured.profile_s
         moved = self._mechanism.moved_bytes()

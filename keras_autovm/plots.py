@@ -5,6 +5,8 @@ a path, a figure is saved as a PNG (with the Agg backend, no display
 needed); either way it is returned, which a notebook shows inline.
 """
 
+from keras_autovm.planner import overhead_text
+
 _BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
 # One colour per action, the same in both figures.
@@ -58,10 +60,10 @@ def timeline(plan, budget, measured_peak, title, path=None,
         ax.axhline(plan.budget / size, color="tab:orange", ls="-",
                    label="limit (budget less headroom)")
         if budget is not None and budget > plan.budget:
+            overhead = overhead_text(plan.memory_scale, plan.memory_extra)
             ax.axhspan(plan.budget / size, budget / size, color="tab:red",
                        alpha=0.12, label=f"headroom ({plan.headroom * 100:g}%)"
-                       + (f" and {plan.memory_scale:.2f}x measured overhead"
-                          if plan.memory_scale != 1.0 else ""))
+                       + (f" and a measured overhead of {overhead}" if overhead else ""))
     if measured_peak is not None:
         ax.axhline(measured_peak / size, color="black", ls=":", label=peak_label)
     ax.set_ylim(0, max(levels) / size * 1.08)

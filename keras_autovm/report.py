@@ -11,6 +11,7 @@ import warnings
 
 from keras_autovm import plots
 from keras_autovm.planner import format_bytes
+from keras_autovm.planner import overhead_text
 
 UNCALIBRATED = "uncalibrated: default device figures"
 
@@ -147,7 +148,8 @@ def epoch_record(epoch, epochs, plan, steps, step_time, peak_bytes, forward_time
             "calibrated": plan.calibrated, "peak_bytes": peak_bytes,
             "predicted_peak_bytes": r.peak_bytes,
             "budget_bytes": plan.device_budget, "headroom": plan.headroom,
-            "memory_scale": plan.memory_scale, "limit_bytes": plan.budget,
+            "memory_scale": plan.memory_scale, "memory_extra": plan.memory_extra,
+            "limit_bytes": plan.budget,
             "planned_host_bytes_per_step": per_step,
             "planned_host_bytes_per_epoch": per_step * steps,
             "replanned": False}
@@ -166,10 +168,11 @@ def epoch_line(record):
     limit = record.get("limit_bytes")
     memory = "no limit" if limit is None else f"limit {format_bytes(limit)}"
     if limit is not None and record.get("budget_bytes") is not None:
-        scale = record.get("memory_scale", 1.0)
+        overhead = overhead_text(record.get("memory_scale", 1.0),
+                                 record.get("memory_extra", 0))
         memory += (f" (budget {format_bytes(record['budget_bytes'])} less "
                    f"{record['headroom'] * 100:g}% headroom"
-                   + (f", over a {scale:.2f}x measured overhead" if scale != 1.0 else "")
+                   + (f", allowing a measured overhead of {overhead}" if overhead else "")
                    + ")")
     return (f"AutoVM epoch {record['epoch']}{of}: {record['policy']}; step "
             f"{ms(record['step_time'])} measured, {predicted}; peak {peak} "

@@ -126,3 +126,27 @@ def test_an_action_the_backend_lacks_names_the_backend():
     with pytest.raises(NotImplementedError,
                        match=f"'swap' action.*on the {keras.backend.backend()} backend"):
         budget.plan_within(graph, 2**30, 0.15, "offload_all", None, NoSwap())
+
+
+def test_a_measured_overhead_in_bytes_lowers_the_limit_and_the_stated_budget():
+    from keras_autovm import budget, mechanisms, planner
+
+    mechanism = mechanisms.get()
+    graph = budget.graph_for(small_cnn(), 8, mechanism)
+    cost = planner.CostModel()
+    least = planner.make_plan(graph, None, "keep_all", cost=cost).result.peak_bytes
+    room, extra = 4 * least, 3 * least // 2
+    # The bytes leave less than the ratio (1.1x) here: the limit is room - extra.
+    plan = budget.plan_within(graph, room, 0.0, "keep_all", cost, mechanism,
+                              memory_scale=1.1, memory_extra=extra)
+    assert plan.budget == room - extra and plan.memory_extra == extra
+    assert "measured overhead 1.10x or" in planner.memory_line(
+        plan.device_budget, plan.headroom, plan.budget, 1.1, extra)
+    assert budget.limit_for(room, 0.0, 1.1, 0) == int(room / 1.1)
+    # Refused, the budget stated holds the least plan and the bytes, and plans.
+    with pytest.raises(planner.PlanError, match="whichever leaves less") as info:
+        budget.plan_within(graph, least, 0.5, "keep_all", cost, mechanism,
+                           memory_scale=1.1, memory_extra=extra)
+    assert info.value.min_budget == pytest.approx((least + extra) / 0.5, abs=2)
+    assert budget.plan_within(graph, info.value.min_budget, 0.5, "keep_all", cost,
+                              mechanism, memory_scale=1.1, memory_extra=extra).fits

@@ -90,7 +90,7 @@ def test_after_a_memory_replan_the_figures_name_the_overhead(monkeypatch, capsys
     assert f"({keras_autovm.planner.format_bytes(plan.device_budget * share)})" in line
     from keras_autovm import report
     record = report.epoch_record(0, 1, plan, 4, 0.01, None)
-    assert "1.50x measured overhead" in report.epoch_line(record)
+    assert "measured overhead of 1.50x)" in report.epoch_line(record)
 
 
 class _Result:

@@ -14,6 +14,7 @@ from .plan import Plan
 from .plan import PlanError
 from .plan import format_bytes
 from .plan import memory_line
+from .plan import overhead_text
 from .choose import POLICIES
 from .choose import REQUIRES
 from .choose import in_flight_bounds
@@ -35,6 +36,7 @@ __all__ = [
     "format_bytes",
     "in_flight_bounds",
     "memory_line",
+    "overhead_text",
     "make_plan",
     "repredicted",
     "simulate",

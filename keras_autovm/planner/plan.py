@@ -71,6 +71,9 @@ class Plan:
         memory_scale: how much more memory than predicted plans were
             measured to use; the limit is the budget less the headroom,
             divided by it. Defaults to `1.0`.
+        memory_extra: the bytes beyond its prediction a plan was measured
+            to use; the limit is then the budget less the headroom, less
+            it, where that leaves less. Defaults to `0`.
         unchanged: whether the step runs as the framework runs it, with no
             hook of AutoVM's: a `keep_all` plan that fits holding every
             layer output (`CostModel.holds_outputs`: torch), or, on JAX, a
@@ -100,6 +103,7 @@ class Plan:
     device_budget: int = None
     headroom: float = None
     memory_scale: float = 1.0
+    memory_extra: int = 0
     unchanged: bool = False
     refused: object = None
     region_runs: bool = False
@@ -158,7 +162,8 @@ class Plan:
             times += "; uncalibrated: default device figures"
         lines = [
             f"Policy: {self.policy} ({counts})",
-            f"Memory: {memory_line(self.device_budget, self.headroom, self.budget, self.memory_scale)}",
+            "Memory: " + memory_line(self.device_budget, self.headroom, self.budget,
+                                     self.memory_scale, self.memory_extra),
             f"Predicted peak: {format_bytes(r.peak_bytes)}"
             + ("" if self.fits else "  (over the limit)"),
             times,
@@ -191,6 +196,7 @@ class Plan:
             "budget_bytes": self.device_budget,
             "headroom": self.headroom,
             "memory_scale": self.memory_scale,
+            "memory_extra": self.memory_extra,
             "limit_bytes": self.budget,
             "fits": self.fits,
             "unchanged": self.unchanged,
@@ -226,7 +232,16 @@ class Plan:
         }
 
 
-def memory_line(budget, headroom, limit, memory_scale=1.0):
+def overhead_text(memory_scale=1.0, memory_extra=0):
+    """The measured memory overhead a limit allows for, in words: `"1.43x"`,
+    `"2.94 GiB"`, `"1.43x or 2.94 GiB, whichever leaves less"`, or `""`
+    for none."""
+    parts = ([f"{memory_scale:.2f}x"] if memory_scale != 1.0 else []) + (
+        [format_bytes(memory_extra)] if memory_extra else [])
+    return " or ".join(parts) + (", whichever leaves less" if len(parts) > 1 else "")
+
+
+def memory_line(budget, headroom, limit, memory_scale=1.0, memory_extra=0):
     """Names the three memory figures: the budget the user gave, the
     headroom kept free of it, and the limit a plan must fit.
 
@@ -237,6 +252,8 @@ def memory_line(budget, headroom, limit, memory_scale=1.0):
         limit: the limit in bytes, or `None` for no limit.
         memory_scale: the measured memory overhead the limit was divided
             by (`1.0`: none).
+        memory_extra: the measured overhead in bytes the limit was
+            lowered by, where that left less (`0`: none).
 
     Returns:
         A string such as `"budget 6.00 MiB, headroom 15% (921.60 KiB),
@@ -246,8 +263,8 @@ def memory_line(budget, headroom, limit, memory_scale=1.0):
         return "no limit"
     if budget is None:
         return f"limit {format_bytes(limit)}"
-    overhead = (f", measured overhead {memory_scale:.2f}x"
-                if memory_scale != 1.0 else "")
+    overhead = overhead_text(memory_scale, memory_extra)
+    overhead = f", measured overhead {overhead}" if overhead else ""
     return (f"budget {format_bytes(budget)}, headroom {headroom * 100:g}% "
             f"({format_bytes(budget * headroom)}){overhead}, "
             f"limit {format_bytes(limit)}")
