@@ -305,7 +305,7 @@ def several(args, runs):
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
                 timed_out = None
-            except subprocess.TimeoutExpired as error:
+            except (subprocess.TimeoutExpired, OSError) as error:  # OSError: no start.
                 timed_out = error
             try:
                 with open(path) as f:

@@ -61,6 +61,8 @@ def test_tf_trace_keeps_a_result_written_before_its_process_hung(tmp_path, monke
     recipe = _recipe(_RECIPES / "gpu_tf_memory_trace.py")
 
     def hung(cmd, timeout, check):
+        if "keras_xla" in cmd:
+            raise OSError("cannot start")
         if "autovm:keep_all" in cmd:
             out = cmd[cmd.index("--out") + 1]
             pathlib.Path(out).write_text(json.dumps({"variant": "autovm:keep_all", "peak": 7}))
@@ -70,10 +72,11 @@ def test_tf_trace_keeps_a_result_written_before_its_process_hung(tmp_path, monke
     out = tmp_path / "trace.json"
     args = argparse.Namespace(model="small", steps=2, cap_gib=0.0, budget_gib=0.0,
                               smoke=True, timeout=5, out=str(out))
-    recipe.several(args, [("autovm:keep_all", 16), ("keras", 16)])
-    kept, lost = json.loads(out.read_text())["runs"]
+    recipe.several(args, [("autovm:keep_all", 16), ("keras", 16), ("keras_xla", 16)])
+    kept, lost, unstarted = json.loads(out.read_text())["runs"]
     assert kept["peak"] == 7 and "did not exit in 5 s" in kept["exit"]
     assert lost["variant"] == "keras" and lost["error"].startswith("TimeoutExpired")
+    assert unstarted["error"] == "OSError: cannot start"
 
 
 def _tf_recipe(monkeypatch):

@@ -44,9 +44,10 @@ def auto(graph, cost, budget, allowed=ACTIONS, bounds=()):
         within the budget, that plan, with a note.
 
     Raises:
-        PlanError: if no candidate fits; `min_budget` is the least limit
-            planning is seen to fit: the lowest peak any candidate reaches,
-            or just above it (`_least`).
+        PlanError: if no candidate fits, under this budget or, searching
+            lower (`_least`), under a larger one; `min_budget` is the least
+            limit the candidates are seen to plan for: the lowest peak any
+            reaches, or above it (see `_checked`).
     """
     if budget is None:
         return keep_all(graph, cost, budget)
