@@ -79,6 +79,12 @@ def _relax(runtime, applied, reason):
     return runtime.plan_for(batch, plans.shapes_at(batch))
 
 
+def extra_after_oom(plan, device):
+    """The bytes over its prediction that `plan`, which ran out of `device`
+    bytes, needed at least (TensorFlow learns them, `first_step._learn`)."""
+    return max(device - plan.result.peak_bytes, 0)
+
+
 def overhead_after_oom(plan, plans, device):
     """The memory overhead to plan with after `plan` ran out of `device`
     bytes: the next plan must need at least the device's memory at its

@@ -150,3 +150,7 @@ def test_a_measured_overhead_in_bytes_lowers_the_limit_and_the_stated_budget():
     assert info.value.min_budget == pytest.approx((least + extra) / 0.5, abs=2)
     assert budget.plan_within(graph, info.value.min_budget, 0.5, "keep_all", cost,
                               mechanism, memory_scale=1.1, memory_extra=extra).fits
+    # Without headroom or a ratio, the bytes alone still restate the budget.
+    with pytest.raises(planner.PlanError, match="overhead of") as info:
+        budget.plan_within(graph, least, 0.0, "keep_all", cost, mechanism, memory_extra=extra)
+    assert info.value.min_budget == least + extra + 1

@@ -112,8 +112,11 @@ def test_tf_trace_reads_what_the_plan_has_in_use_while_an_op_runs(monkeypatch):
     result = simulate(chain([100, 10, 1]))
     assert recipe.predicted_during(result, "o1", "bwd") == 100 + 10 + 100
     assert recipe.predicted_during(result, "o2", "fwd") == 111
-    # A copy back that lands while o1's backward runs counts there.
-    swapped = simulate(chain([100, 10, 1]), actions={"t0": "swap"}, prefetch={"t0": "o1"})
-    assert recipe.predicted_during(swapped, "o1", "bwd") == 210
+    # Swapped, t0 is off the device in o2's forward. Both copies back are
+    # enqueued as o3's backward starts: t1's starts with it, t0's (100)
+    # after t1's, while o3's backward runs, and counts there.
+    swapped = simulate(chain([100, 10, 1, 1]), actions={"t0": "swap", "t1": "swap"},
+                       prefetch={"t0": "o3", "t1": "o3"})
     assert recipe.predicted_during(swapped, "o2", "fwd") < 111
+    assert recipe.predicted_during(swapped, "o3", "bwd") == 113
     assert recipe.predicted_during(result, "o9", "bwd") is None

@@ -224,6 +224,9 @@ def test_a_step_out_of_memory_is_undone_replanned_and_run_again(on_cpu, monkeypa
         assert plans.memory_scale == pytest.approx(
             oom.overhead_after_oom(seen[0], plans, budget), rel=1e-6)
         assert seen[1].result.peak_bytes * oom.MARGIN <= seen[0].result.peak_bytes
+        # It needed at least the device: the bytes over its plan, learnt too.
+        assert plans.memory_extra == budget - seen[0].result.peak_bytes
+        assert seen[1].budget <= budget * (1 - plans.headroom) - plans.memory_extra
         assert "ran out of GPU memory" in said[0] and "Replanned" in said[0]
         assert int(model.optimizer.iterations) == STEPS
         trained.append((weights(model), model.history_))
@@ -356,6 +359,7 @@ def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
 
     from keras_autovm import oom
     monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 1.0)
+    monkeypatch.setattr(oom, "extra_after_oom", lambda plan, memory: 0)
     seen = watch(on_cpu, monkeypatch, fail=lambda n: True)
     keras.utils.set_random_seed(3)
     initial = small_cnn(SIZE).get_weights()

@@ -197,6 +197,7 @@ class FirstSteps:
         memory = runtime.mechanism.device_memory() or plans.budget_bytes
         plans.memory_scale = max(plans.memory_scale,
                                  oom.overhead_after_oom(plan, plans, memory))
+        plans.memory_extra = max(plans.memory_extra, oom.extra_after_oom(plan, memory))
         seen = _seen(plan, "ran out of GPU memory", plans)
         fallback = runtime.fitted_plans.get(plan.graph.batch_size)
         self._replan(plan, seen, "out_of_memory_replans", fallback)
