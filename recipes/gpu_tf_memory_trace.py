@@ -304,18 +304,18 @@ def several(args, runs):
             cmd += ["--smoke"] if args.smoke else []
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
-                timed_out = None
+                failed = None
             except (subprocess.TimeoutExpired, OSError) as error:  # OSError: no start.
-                timed_out = error
+                failed = error
             try:
                 with open(path) as f:
                     out["runs"].append(json.load(f))
-                if timed_out:  # On an H200 a run wrote its result, then hung on exit.
+                if failed:  # On an H200 a run wrote its result, then hung on exit.
                     out["runs"][-1]["exit"] = f"wrote this, then did not exit in {args.timeout} s"
             except (OSError, ValueError) as error:
+                error = failed or error
                 out["runs"].append({"variant": variant, "batch": batch,
-                                    "error": f"{type(timed_out or error).__name__}: "
-                                             f"{timed_out or error}"[-500:]})
+                                    "error": f"{type(error).__name__}: {error}"[-500:]})
                 print_summary(out["runs"][-1])
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
