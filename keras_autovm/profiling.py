@@ -6,7 +6,8 @@ backend, architecture and batch size were measured before, else measured now
 (`measure`) and cached. Measuring runs the model's forward pass once on zeros
 of the input shapes, layer call by layer call, and gives each distinct call
 (class, settings, shapes: `profile_cache.call_key`) to the backend's
-`Mechanism.call_timer`, which times its forward and backward a few times:
+`Mechanism.call_timer`, which times its forward and backward a few times
+(and on TensorFlow measures the memory it allocates for a moment):
 at once on torch and TensorFlow, after the pass on JAX, whose pass runs on
 shapes alone and whose calls compile together (`mechanisms/jax/timing.py`).
 Nothing changes: the pass runs under a `keras.StatelessScope`, and the
@@ -27,6 +28,7 @@ import keras
 
 from keras_autovm import calibration
 from keras_autovm import internals
+from keras_autovm.mechanisms.timing import CallTime
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
 from keras_autovm.model_graph import layer_facts
@@ -45,8 +47,8 @@ REPEATS = 3
 # A cached profile of another format is measured again. 4: what the timing
 # costs a call is off torch's backward times (`timing.grad_call_s`). 5: torch
 # convolutions timed on views of their inputs, as AutoVM now runs them. 6: max
-# pooling on views too.
-_FORMAT = 6
+# pooling on views too. 7: TensorFlow's calls measure their workspace.
+_FORMAT = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,8 @@ class LayerTime:
     `fwd_fixed_s` and `bwd_fixed_s` are the parts that do not grow with the
     batch (launch and Python overhead), from a second timing at a smaller
     batch (`Profile.with_fixed_times`); 0 when only one batch was timed.
+    `workspace_bytes` is the most the call allocates for a moment, forward
+    or backward, above what it holds before and after (0: not measured).
     """
 
     name: str
@@ -64,6 +68,7 @@ class LayerTime:
     output_bytes: int
     fwd_fixed_s: float = 0.0
     bwd_fixed_s: float = 0.0
+    workspace_bytes: int = 0
 
     def at(self, scale):
         """`(fwd, bwd)` seconds at `scale` times the profile's batch."""
@@ -105,7 +110,8 @@ class Profile:
     def from_dict(cls, data):
         layers = tuple(LayerTime(t["name"], float(t["fwd_s"]), float(t["bwd_s"]),
                                  int(t["output_bytes"]), float(t.get("fwd_fixed_s", 0.0)),
-                                 float(t.get("bwd_fixed_s", 0.0))) for t in data["layers"])
+                                 float(t.get("bwd_fixed_s", 0.0)),
+                                 int(t.get("workspace_bytes", 0))) for t in data["layers"])
         return cls(data["device"], data["backend"], int(data["batch_size"]),
                    data.get("fingerprint", ""), layers, dict(data.get("link", {})),
                    float(data.get("profile_s", 0.0)))
@@ -131,14 +137,14 @@ class Profile:
         profile's (a last partial batch, or layers timed at a smaller batch
         under a tight budget): the part that grows with the batch linearly,
         the fixed part not (`LayerTime.at`). Ops not measured keep their
-        roofline estimate.
+        roofline estimate. A measured workspace becomes the op's, scaled
+        with the batch (it is temporaries the size of the layer's tensors).
         """
         scale = graph.batch_size / self.batch_size if graph.batch_size else 1.0
-        times = {t.name: t.at(scale) for t in self.layers}
-        ops = tuple(dataclasses.replace(op, fwd_time=times[op.name][0],
-                                        bwd_time=times[op.name][1])
-                    if op.name in times else op for op in graph.ops)
-        return dataclasses.replace(graph, ops=ops)
+        layers = {t.name: t for t in self.layers}
+        return dataclasses.replace(graph, ops=tuple(
+            _measured(op, layers[op.name], scale) if op.name in layers else op
+            for op in graph.ops))
 
     def with_fixed_times(self, smaller):
         """This profile with each layer's fixed time fitted from `smaller`,
@@ -164,6 +170,16 @@ class Profile:
             return cost
         return dataclasses.replace(cost, d2h_bytes_per_s=d2h * 1e9,
                                    h2d_bytes_per_s=h2d * 1e9, link_measured=True)
+
+
+def _measured(op, layer, scale):
+    """`op` with the times and workspace of `layer` (a `LayerTime`) at
+    `scale` times the profile's batch. An unmeasured workspace (0) leaves
+    the op's own: torch measures its workspaces elsewhere
+    (`mechanisms/torch/profile.py`)."""
+    fwd, bwd = layer.at(scale)
+    workspace = int(layer.workspace_bytes * scale) or op.workspace_bytes
+    return dataclasses.replace(op, fwd_time=fwd, bwd_time=bwd, workspace_bytes=workspace)
 
 
 def _intercept(big, small, ratio):
@@ -272,8 +288,10 @@ def measure(model, batch_size, mechanism, repeats=REPEATS, verbose=0, time_at=No
     state = [(v, v.value) for v in model.non_trainable_variables]
     with keras.StatelessScope(state_mapping=state), mechanism.measuring():
         mechanism.measuring_pass(lambda xs: internals.run_calls(model, xs, around), inputs)
-    times = timer.results()
-    layers = tuple(LayerTime(name, *times[key], size) for name, key, size in found)
+    times = {key: CallTime(*t) for key, t in timer.results().items()}
+    layers = tuple(LayerTime(name, times[key].fwd_s, times[key].bwd_s, size,
+                             workspace_bytes=int(times[key].workspace_bytes))
+                   for name, key, size in found)
     link = calibration.measure_link(mechanism)
     return Profile(mechanism.device_name(), mechanism.backend, int(time_at),
                    fingerprint(model), layers, link, time.perf_counter() - start)

@@ -517,12 +517,12 @@ def test_tensorflow_times_a_call_as_the_second_of_two_in_a_row(monkeypatch):
     calls = lambda runs: len(runs.arguments)  # noqa: E731
     monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 + 0.01 * calls(self))
     monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 + 0.03 * calls(self))
-    assert timing.time_call(layer, (x,), {}, 1) == pytest.approx((0.01, 0.03))
+    assert timing.time_call(layer, (x,), {}, 1)[:2] == pytest.approx((0.01, 0.03))
     # Noise that makes the longer function no longer: the call costs what
     # launching an op does, not nothing.
     monkeypatch.setattr(timing._Runs, "forward_s", lambda self, r: 0.5 - 0.01 * calls(self))
     monkeypatch.setattr(timing._Runs, "backward_s", lambda self, r: 0.7 - 0.03 * calls(self))
-    assert timing.time_call(layer, (x,), {}, 1) == (timing._LEAST_S, timing._LEAST_S)
+    assert timing.time_call(layer, (x,), {}, 1)[:2] == (timing._LEAST_S, timing._LEAST_S)
     assert timing._LEAST_S > 0
 
 
@@ -568,7 +568,7 @@ def test_tensorflow_call_timed_once_where_two_do_not_fit(monkeypatch):
     idle = timing._idle_call_s(timing._REPEATS)  # Measured before the runs are faked.
     monkeypatch.setattr(timing._Runs, "forward_s", seconds(0.5))
     monkeypatch.setattr(timing._Runs, "backward_s", seconds(0.7))
-    fwd, bwd = timing.time_call(layer, (x,), {}, 1)
+    fwd, bwd, _ = timing.time_call(layer, (x,), {}, 1)
     assert fwd == pytest.approx(0.5 - idle[0]) and bwd == pytest.approx(0.7 - idle[1])
     assert 0 < idle[0] < 0.5 and 0 < idle[1] < 0.7
 
@@ -606,7 +606,7 @@ def test_tensorflow_times_the_second_call_on_copies(monkeypatch):
     layer = keras.layers.Dense(8)
     x = keras.ops.ones((4, 8))
     layer(x)
-    assert all(t > 0 for t in timing.time_call(layer, (x,), {}, 1))
+    assert all(t > 0 for t in timing.time_call(layer, (x,), {}, 1)[:2])
     (first, second) = made[-1]
     for ours, copy in zip(first[0] + first[1], second[0] + second[1], strict=True):
         assert ours is not copy
@@ -624,5 +624,65 @@ def test_tensorflow_times_a_call_with_an_output_that_is_none():
     x = keras.ops.ones((4, 8))
     layer = WithNone()
     layer(x)
-    fwd, bwd = timing.time_call(layer, (x,), {}, 1)
+    fwd, bwd, _ = timing.time_call(layer, (x,), {}, 1)
     assert fwd > 0 and bwd > 0
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_measures_what_a_call_allocates_for_a_moment(monkeypatch):
+    """Keras's batch normalization is composite on TensorFlow: its backward
+    makes temporaries the size of its output, which the planner must hold
+    while it runs. An elementwise layer makes about none. Measured in the
+    CPU's memory here; without a GPU, AutoVM measures none."""
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    layer = keras.layers.BatchNormalization()
+    x = keras.ops.ones((8, 32, 32, 16))
+    layer(x)
+    assert timing.time_call(layer, (x,), {"training": True}, 1).workspace_bytes == 0
+    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
+
+    x = keras.ops.ones((8, 32, 32, 16))
+    output_bytes = 8 * 32 * 32 * 16 * 4
+    norm, relu = keras.layers.BatchNormalization(), keras.layers.ReLU()
+    norm(x), relu(x)
+    measured = timing.time_call(norm, (x,), {"training": True}, 1)
+    assert measured.workspace_bytes >= 2 * output_bytes
+    assert timing.time_call(relu, (x,), {}, 1).workspace_bytes < 2 * output_bytes
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_transient_is_the_most_above_before_and_after(monkeypatch):
+    """What the run keeps (its result) is not a temporary; what it makes
+    and frees inside is."""
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
+
+    n = 1 << 20
+    x = tf.zeros([n], tf.uint8)
+    keep = timing._transient(lambda: x + 1)
+    made = timing._transient(lambda: tf.reduce_sum(tf.cast(x, tf.float32)))
+    assert keep < n // 2
+    assert made >= 4 * n  # The float32 copy, freed before the sum returns.
+
+
+def test_a_measured_workspace_reaches_the_plan_scaled_with_the_batch(tmp_path):
+    model = small_cnn()
+    base = fake_profile(model, 8)
+    layers = tuple(dataclasses.replace(t, workspace_bytes=(8 << 20) if t.name == "bn1" else 0)
+                   for t in base.layers)
+    profile = dataclasses.replace(base, layers=layers)
+    path = str(tmp_path / "p.json")
+    profile.save(path)
+    assert profiling.Profile.load(path) == profile
+    plain = keras_autovm.plan(model, 8, "1GiB", policy="keep_all", profile=base)
+    with_it = keras_autovm.plan(model, 8, "1GiB", policy="keep_all", profile=path)
+    half = keras_autovm.plan(model, 4, "1GiB", policy="keep_all", profile=profile)
+    ops = {op.name: op for op in with_it.graph.ops}
+    assert ops["bn1"].workspace_bytes == 8 << 20
+    assert all(op.workspace_bytes == 0 for op in plain.graph.ops)
+    assert {op.name: op.workspace_bytes for op in half.graph.ops}["bn1"] == 4 << 20
+    assert with_it.result.peak_bytes > plain.result.peak_bytes + (7 << 20)

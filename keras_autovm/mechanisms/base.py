@@ -188,7 +188,9 @@ class Mechanism:
     # --------------------------------------------------- measured costs
 
     def time_call(self, operation, args, kwargs, repeats):
-        """Times one layer call on this backend: `(forward_s, backward_s)`.
+        """Times one layer call on this backend: `(forward_s, backward_s)`,
+        or a `mechanisms.timing.CallTime` that adds the bytes the call
+        allocates for a moment (TensorFlow measures them).
 
         The forward is `operation`'s call on `args`/`kwargs` through
         `stateless_call` (so no variable changes), the backward its

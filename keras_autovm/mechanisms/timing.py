@@ -7,12 +7,20 @@ times one run the way every timing here does, `call_values` and
 `Profile` records (`Mechanism.measure_link`).
 """
 
+import collections
 import statistics
 import time
 
 import keras
 
 from keras_autovm import internals
+
+
+CallTime = collections.namedtuple(
+    "CallTime", ["fwd_s", "bwd_s", "workspace_bytes"], defaults=(0,))
+CallTime.__doc__ = """One layer call measured: its forward's and its backward's
+seconds, and the most bytes it allocates for a moment above what it holds
+before and after, forward or backward (0: not measured)."""
 
 
 class CallTimer:

@@ -14,6 +14,15 @@ batch 64, its whole Keras step took 0.28 s
 (`results/tensorflow/timing/harness_h200_fa870f8.json`). So each call is
 timed in a function that runs it once and in one that runs it twice in a
 row; the difference is one call as a step runs it (`time_call`).
+
+It also measures what the call allocates for a moment: the most allocated
+while its forward or its backward runs, above the larger of what was
+allocated before and after (`_transient`). Keras's `BatchNormalization`
+is composite on TensorFlow, and its backward makes output-sized
+temporaries (Tile, Mul, AddN): on an H200, at the peak of ResNet-152's
+step at batch 264, the buffers live included five the size of a layer
+output made by two of them (`results/tensorflow/trace/`). The planner
+holds what a call measured so as the op's workspace.
 """
 
 import functools
@@ -21,6 +30,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_autovm.mechanisms.timing import CallTime
 from keras_autovm.mechanisms.timing import call_values
 from keras_autovm.mechanisms.timing import link_gbps
 from keras_autovm.mechanisms.timing import median_seconds
@@ -48,7 +58,9 @@ _LEAST_S = CostModel.op_overhead_s
 
 
 def time_call(operation, args, kwargs, repeats):
-    """`(forward_s, backward_s)` of one layer call; see `Mechanism.time_call`.
+    """`CallTime(forward_s, backward_s, workspace_bytes)` of one layer call;
+    see `Mechanism.time_call`. `workspace_bytes` is 0 where the allocator
+    keeps no count (TensorFlow's default one on a CPU).
 
     The difference between a function running the call twice in a row and
     one running it once (the second call on copies of the arguments, so
@@ -73,6 +85,7 @@ def time_call(operation, args, kwargs, repeats):
     once = _Runs(forward, [(tv, xs)])
     fwd_once = once.forward_s(repeats)
     bwd_once = once.backward_s(repeats)
+    workspace = once.transient_bytes()
     del once
     fwd_twice = bwd_twice = None
     try:
@@ -85,8 +98,8 @@ def time_call(operation, args, kwargs, repeats):
     fwd_idle, bwd_idle = _idle_call_s(repeats) if bwd_twice is None else (0.0, 0.0)
     fwd_s = _one_call(fwd_once, fwd_twice, fwd_idle)
     if bwd_once is None:  # Nothing to differentiate.
-        return fwd_s, 0.0
-    return fwd_s, _one_call(bwd_once, bwd_twice, bwd_idle)
+        return CallTime(fwd_s, 0.0, workspace)
+    return CallTime(fwd_s, _one_call(bwd_once, bwd_twice, bwd_idle), workspace)
 
 
 def _copies(tv, xs):
@@ -143,6 +156,19 @@ class _Runs:
         """Seconds of the backward of the runs, on a persistent tape freed
         after; `None` where nothing is floating, in or out. The gradients
         flowing in are made once, outside the clock."""
+        gradient = self._gradient()
+        return None if gradient is None else median_seconds(gradient, _wait, repeats)
+
+    def transient_bytes(self):
+        """The most the runs allocate for a moment, forward or backward
+        (`_transient`)."""
+        forward = _transient(lambda: self.runs(self.arguments))
+        gradient = self._gradient()
+        return max(forward, _transient(gradient) if gradient is not None else 0)
+
+    def _gradient(self):
+        """A function that runs the backward of the runs, recorded once on
+        a persistent tape; `None` where nothing is floating, in or out."""
         sources = [list(pair) for pair in self.arguments]
         if not any(tv or xs for tv, xs in sources):
             return None
@@ -153,8 +179,34 @@ class _Runs:
         if not outputs:
             return None
         ones = [tf.ones_like(y) for y in outputs]
-        return median_seconds(
-            lambda: tape.gradient(outputs, sources, output_gradients=ones), _wait, repeats)
+        return lambda: tape.gradient(outputs, sources, output_gradients=ones)
+
+
+def _memory_device():
+    """The device whose memory a plan fits: the GPU's; none without one (a
+    plan applied on a CPU manages no memory, so its layers have none)."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else None
+
+
+def _transient(run):
+    """Bytes `run()` allocates above the larger of what was allocated before
+    it and after it (its results held): the temporaries it makes and frees.
+    0 without a GPU (`_memory_device`), or where the allocator keeps no
+    count."""
+    device = _memory_device()
+    if device is None:
+        return 0
+    _wait()
+    try:
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        tf.config.experimental.reset_memory_stats(device)
+        result = run()
+        _wait()
+        stats = tf.config.experimental.get_memory_info(device)
+    except (ValueError, tf.errors.OpError):
+        return 0  # This device's allocator keeps no count.
+    del result
+    return max(0, stats["peak"] - max(before, stats["current"]))
 
 
 def measure_link(device="GPU:0", host="CPU:0", repeats=3):
