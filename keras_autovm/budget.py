@@ -130,6 +130,13 @@ def limit_for(budget_bytes, headroom, memory_scale=1.0, memory_extra=0):
     return int(min(room / memory_scale, room - memory_extra))
 
 
+def room_for(limit, memory_scale=1.0, memory_extra=0):
+    """The real bytes a plan of `limit` predicted bytes may take once the
+    measured overhead is added, whichever of the ratio and the bytes
+    `limit_for` took: the budget less the headroom, back from the limit."""
+    return max(limit * memory_scale, limit + memory_extra)
+
+
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
                 memory_scale=1.0, memory_extra=0):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
@@ -162,7 +169,7 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
         if not headroom and memory_scale == 1.0 and not memory_extra:
             raise
         # State the minimum in the user's terms: the budget they would pass.
-        need = max(error.min_budget * memory_scale, error.min_budget + memory_extra)
+        need = room_for(error.min_budget, memory_scale, memory_extra)
         least = math.ceil(need / (1 - headroom)) + 1
         overhead = planner.overhead_text(memory_scale, memory_extra)
         raise planner.PlanError(

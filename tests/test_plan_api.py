@@ -154,3 +154,27 @@ def test_a_measured_overhead_in_bytes_lowers_the_limit_and_the_stated_budget():
     with pytest.raises(planner.PlanError, match="overhead of") as info:
         budget.plan_within(graph, least, 0.0, "keep_all", cost, mechanism, memory_extra=extra)
     assert info.value.min_budget == least + extra + 1
+
+
+@pytest.mark.parametrize("scale,extra", [(1.0, 0), (1.25, 0), (1.0, 3 << 20), (1.1, 3 << 20),
+                                         (1.5, 1 << 20)])
+def test_the_room_back_from_a_limit_is_the_budget_less_the_headroom(scale, extra):
+    """Whichever of the ratio and the bytes set the limit, the room it came
+    from is recovered: what a measured peak is checked against."""
+    from keras_autovm import budget
+
+    room = 100 << 20
+    limit = budget.limit_for(room / 0.85, 0.15, scale, extra)
+    assert budget.room_for(limit, scale, extra) == pytest.approx(room, abs=2)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's compiled step")
+def test_jax_compiled_peak_fits_the_room_of_a_limit_lowered_by_bytes():
+    import types
+
+    from keras_autovm.mechanisms.jax import compiled
+
+    # A limit set by a byte overhead: the room is limit + extra, not limit * scale.
+    plan = types.SimpleNamespace(budget=80, memory_scale=1.1, memory_extra=20)
+    assert compiled.fits(100, plan) and not compiled.fits(101, plan)
+    assert compiled.fits(10**9, types.SimpleNamespace(budget=None))

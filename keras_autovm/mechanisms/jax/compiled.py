@@ -16,6 +16,7 @@ import warnings
 import jax
 import keras
 
+from keras_autovm.budget import room_for
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 
@@ -157,8 +158,9 @@ def run_unchanged(plan, peak):
 
 def fits(peak, plan):
     """Whether `peak` real bytes fit the budget less the headroom: the plan's
-    limit times the memory overhead it was divided by."""
-    return plan.budget is None or peak <= plan.budget * plan.memory_scale
+    limit with the memory overhead it was made under (`budget.room_for`)."""
+    return plan.budget is None or peak <= room_for(plan.budget, plan.memory_scale,
+                                                   plan.memory_extra)
 
 
 def peak(fn, args):
