@@ -6,15 +6,19 @@ layout optimizer on and off, and of the same layers run as a chain in one
 function, and counts the Transpose ops in each optimized backward graph.
 Writes JSON.
 
-    python3 recipes/gpu_tf_transients.py --batch 44 --out results/tensorflow/trace/transients_b44.json
-    python3 recipes/gpu_tf_transients.py --batch 44 --cap-gib 8 --out results/tensorflow/trace/transients_b44_cap8.json
+    python3 recipes/gpu_tf_transients.py --batch 44 --out results/tensorflow/workspace/transients_b44_cap0.json
+    python3 recipes/gpu_tf_transients.py --batch 44 --cap-gib 8 --out results/tensorflow/workspace/transients_b44_cap8.json
 """
 
 import argparse
+import datetime
 import json
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# Run from a checkout: the package is the folder above this one.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -86,8 +90,11 @@ def main():
     if gpus and args.cap_gib:
         tf.config.set_logical_device_configuration(gpus[0], [
             tf.config.LogicalDeviceConfiguration(memory_limit=int(args.cap_gib * 1024))])
-    result = {"batch": args.batch, "cap_gib": args.cap_gib, "tensorflow": tf.__version__,
-              "gpu": bool(tf.config.list_logical_devices("GPU")), "layers": {}}
+    details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python3"] + sys.argv), "batch": args.batch,
+              "cap_gib": args.cap_gib, "tensorflow": tf.__version__, "keras": keras.__version__,
+              "gpu": details.get("device_name", ""), "layers": {}}
     for name, (shape, make) in cases(args.batch).items():
         row = {"layout_on": alone(shape, make), **transposes(shape, make)}
         tf.config.optimizer.set_experimental_options({"layout_optimizer": False})

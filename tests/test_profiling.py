@@ -642,8 +642,8 @@ def test_tensorflow_measures_what_a_call_allocates_for_a_moment(monkeypatch):
     assert timing.time_call(layer, (x,), {"training": True}, 1).workspace_bytes == 0
     monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
 
-    x = keras.ops.ones((8, 32, 32, 16))
-    output_bytes = 8 * 32 * 32 * 16 * 4
+    x = keras.ops.ones((8, 64, 64, 16))
+    output_bytes = 8 * 64 * 64 * 16 * 4
     norm, relu = keras.layers.BatchNormalization(), keras.layers.ReLU()
     norm(x), relu(x)
     measured = timing.time_call(norm, (x,), {"training": True}, 1)
@@ -686,3 +686,52 @@ def test_a_measured_workspace_reaches_the_plan_scaled_with_the_batch(tmp_path):
     assert all(op.workspace_bytes == 0 for op in plain.graph.ops)
     assert {op.name: op.workspace_bytes for op in half.graph.ops}["bn1"] == 4 << 20
     assert with_it.result.peak_bytes > plain.result.peak_bytes + (7 << 20)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_workspace_leaves_out_a_copy_of_the_weight_gradient(monkeypatch):
+    """A Dense layer's backward makes one copy of its kernel's gradient: it
+    does not grow with the batch, and the plan counts weight gradients with
+    the weights."""
+    from keras_autovm.mechanisms.tensorflow import timing
+    from keras_autovm.mechanisms.timing import call_values
+    from keras_autovm.mechanisms.timing import variable_values
+
+    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
+    # Large against what the rest of the process may allocate meanwhile
+    # (the CPU's allocator is the whole process's).
+    layer = keras.layers.Dense(1024)
+    x = keras.ops.ones((8, 2048))
+    layer(x)
+    tv, ntv = variable_values(layer)
+    runs = timing._Runs(lambda tv, xs: call_values(layer, tv, ntv, (xs[0],), {}), [(tv, [x])])
+    runs.runs(runs.arguments)
+    kernel_bytes = 2048 * 1024 * 4
+    assert runs.transient_bytes() >= kernel_bytes
+    assert timing.time_call(layer, (x,), {}, 1).workspace_bytes < kernel_bytes // 4
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_workspace_of_a_call_the_layout_optimizer_wraps_is_not_measured(
+        monkeypatch):
+    """Alone, a GPU convolution is wrapped in transposes a step does not
+    pay at each layer: such a call's workspace is left to the first step."""
+    import types
+
+    from keras_autovm.mechanisms.tensorflow import internals
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
+    layer = keras.layers.BatchNormalization()
+    x = keras.ops.ones((8, 32, 32, 16))
+    layer(x)
+    graphs = internals.tf_function_graphs
+
+    def with_transpose(fn, *args):
+        transpose = types.SimpleNamespace(op="Transpose")
+        return graphs(fn, *args) + [types.SimpleNamespace(
+            post_optimization_graph=types.SimpleNamespace(node=[transpose]))]
+
+    assert timing.time_call(layer, (x,), {"training": True}, 1).workspace_bytes > 0
+    monkeypatch.setattr(internals, "tf_function_graphs", with_transpose)
+    assert timing.time_call(layer, (x,), {"training": True}, 1).workspace_bytes == 0

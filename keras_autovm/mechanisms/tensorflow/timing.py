@@ -15,14 +15,14 @@ batch 64, its whole Keras step took 0.28 s
 timed in a function that runs it once and in one that runs it twice in a
 row; the difference is one call as a step runs it (`time_call`).
 
-It also measures what the call allocates for a moment: the most allocated
-while its forward or its backward runs, above the larger of what was
-allocated before and after (`_transient`). Keras's `BatchNormalization`
-is composite on TensorFlow, and its backward makes output-sized
-temporaries (Tile, Mul, AddN): on an H200, at the peak of ResNet-152's
-step at batch 264, the buffers live included five the size of a layer
-output made by two of them (`results/tensorflow/trace/`). The planner
-holds what a call measured so as the op's workspace.
+On a GPU it also measures what the call allocates for a moment, its
+workspace (`_workspace`): the most allocated while its forward or its
+backward runs, above the larger of what was allocated before and after.
+Keras's `BatchNormalization` is composite on TensorFlow, and its backward
+makes output-sized temporaries (Tile, Mul, AddN): on an H200, at the peak
+of ResNet-152's step at batch 264, the buffers live included five the
+size of a layer output made by two of them (`results/tensorflow/trace/`).
+The planner holds a measured workspace while the op runs.
 """
 
 import functools
@@ -30,6 +30,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_autovm.mechanisms.tensorflow import internals
 from keras_autovm.mechanisms.timing import CallTime
 from keras_autovm.mechanisms.timing import call_values
 from keras_autovm.mechanisms.timing import link_gbps
@@ -85,8 +86,8 @@ def time_call(operation, args, kwargs, repeats):
     once = _Runs(forward, [(tv, xs)])
     fwd_once = once.forward_s(repeats)
     bwd_once = once.backward_s(repeats)
-    workspace = once.transient_bytes()
     del once
+    workspace = _workspace(forward, [(tv, xs)], sum(_nbytes(x) for x in tv))
     fwd_twice = bwd_twice = None
     try:
         twice = _Runs(forward, [(tv, xs), _copies(tv, xs)])
@@ -100,6 +101,46 @@ def time_call(operation, args, kwargs, repeats):
     if bwd_once is None:  # Nothing to differentiate.
         return CallTime(fwd_s, 0.0, workspace)
     return CallTime(fwd_s, _one_call(bwd_once, bwd_twice, bwd_idle), workspace)
+
+
+def _workspace(forward, arguments, weight_bytes):
+    """Bytes a call allocates for a moment as a step runs it; 0 without a
+    GPU, or where a call alone does not run as in the step.
+
+    Alone, a convolution or a pooling is wrapped by Grappler's layout
+    optimizer in transposes to and from the GPU's layout, which a step
+    pays at the edges of the whole graph, not at each layer: on an H200
+    (`results/tensorflow/workspace/transients_b44_cap0.json`) VGG-19's
+    `block1_conv2` measured 8 outputs' worth alone and 4 with the layout
+    optimizer off, where the whole step measured under an 8 GiB cap was
+    0.73 GiB above a plan without any. A call whose optimized backward
+    (its forward, where it has none) has a Transpose is not measured, and
+    the first step learns what it makes (`first_step.py`). What a Dense
+    layer makes is one copy of its weight gradient (VGG-19's `fc1`, `fc2`
+    and `predictions`: 397.6, 66.1 and 16.6 MiB, their kernels 392, 64
+    and 15.6 MiB), which does not grow with the batch, and the plan counts
+    the weights' gradients already: the call's trainable bytes
+    (`weight_bytes`) come off.
+    """
+    if _memory_device() is None:
+        return 0
+    runs = _Runs(forward, arguments)
+    graphs = internals.tf_function_graphs(lambda: runs.runs(runs.arguments))
+    gradient = runs._gradient()
+    if gradient is not None:
+        # The backward's graphs decide. On an H200, checking the forward's
+        # too left every batch normalization of ResNet-152 unmeasured,
+        # where a batch normalization's backward alone has no Transpose
+        # (results/tensorflow/workspace/transients_b44_cap0.json) and makes
+        # the temporaries a step holds.
+        graphs = internals.tf_function_graphs(gradient)
+    if any(node.op == "Transpose" for g in graphs for node in g.post_optimization_graph.node):
+        return 0
+    return max(0, runs.transient_bytes() - weight_bytes)
+
+
+def _nbytes(x):
+    return int(tf.size(x)) * x.dtype.size
 
 
 def _copies(tv, xs):
