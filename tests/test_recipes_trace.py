@@ -120,3 +120,36 @@ def test_tf_trace_reads_what_the_plan_has_in_use_while_an_op_runs(monkeypatch):
     assert recipe.predicted_during(swapped, "o2", "fwd") < 111
     assert recipe.predicted_during(swapped, "o3", "bwd") == 113
     assert recipe.predicted_during(result, "o9", "bwd") is None
+
+
+def test_workspace_rule_recipe_counts_what_a_step_holds():
+    """`recipes/tf_workspace_rule.py`: under the rule AutoVM has now, a
+    convolution's and a pooling's workspaces are dropped, a Dense layer's
+    loses its kernel's bytes, a batch normalization's stays."""
+    import keras
+    import pytest
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("TensorFlow's workspaces")
+    from keras_autovm import profiling
+
+    recipe = _recipe(_RECIPES / "tf_workspace_rule.py")
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.MaxPooling2D(name="pool")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(x))
+    kernel = 36 * 2 * 4 + 2 * 4
+    names = [layer.name for layer in model.layers[1:]]
+    layers = tuple(profiling.LayerTime(n, 1e-3, 2e-3, 64, workspace_bytes=1000 + kernel)
+                   for n in names)
+    profile = profiling.Profile("test", "tensorflow", 4, "", layers)
+    ruled = {name: {t.name: t.workspace_bytes for t in p.layers}
+             for name, p in recipe.rules(model, profile).items()}
+    assert ruled["now"] == {"conv": 0, "bn": 1000 + kernel - 4 * 4 * 2, "pool": 0,
+                            "flat": 1000 + kernel, "dense": 1000}
+    assert set(ruled["none"].values()) == {0}
+    assert set(ruled["every_call"].values()) == {1000 + kernel}
+    row = recipe.predict(model, 4, recipe.rules(model, profile)["now"], ["bn"], 1.0, [0.05])
+    assert row["during_bwd_gib"]["bn"] > 0 and "auto_budget_1gib_headroom_0.05" in row
