@@ -12,7 +12,9 @@ measured 7.06 GiB at batch 64, where the training step's allocator trace
 (`gpu_tf_memory_trace.py`) shows about 2.4 GiB of temporaries in its
 backward. Run alone, each call converts its tensors to cuDNN's
 channels-first layout and back; in the step, TensorFlow's layout optimizer
-converts the whole graph once. Kept to show that, on a GPU only.
+converts the whole graph once. Kept to show that, on a GPU only. AutoVM
+now measures them for the calls whose backward alone has no Transpose
+(`gpu_tf_transients.py` sets the layout optimizer's part apart).
 """
 
 import argparse

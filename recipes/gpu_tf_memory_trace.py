@@ -230,11 +230,17 @@ def run(args):
                    counts=plan.counts(), stats=callbacks[0].report.stats,
                    predicted_live_at_peak=[list(x) for x in plan.result.peak_live])
         # What the plan has in use where the step peaked, not at its own peak.
-        phase = "bwd" if _pass(out["peak_op"]) == "backward" else "fwd"
-        out["peak_layer"] = [phase, _layer(out["peak_op"], layers)]
+        phase = peak_phase(out["peak_op"])
+        out["peak_layer"] = [phase or "optimizer", _layer(out["peak_op"], layers)]
         out["predicted_at_peak_layer_bytes"] = predicted_during(
-            plan.result, out["peak_layer"][1], phase)
+            plan.result, out["peak_layer"][1], phase) if phase else None
     return out
+
+
+def peak_phase(op):
+    """The simulator's phase of a traced op: "fwd" or "bwd"; `None` for the
+    optimizer's update, which the simulator has no item for."""
+    return {"forward": "fwd", "backward": "bwd"}.get(_pass(op))
 
 
 def predicted_during(result, op, phase):

@@ -3,8 +3,10 @@
 Measures, on the GPU, the transient bytes (`mechanisms/tensorflow/timing.py`'s
 `_transient`) of a few VGG-19 and ResNet layers called alone, with Grappler's
 layout optimizer on and off, and of the same layers run as a chain in one
-function, and counts the Transpose ops in each optimized backward graph.
-Writes JSON.
+function, and counts the Transpose ops in each optimized backward graph:
+the layout optimizer's part of what `gpu_tf_layer_transients.py` measured
+for each VGG-19 layer alone, and what decides which calls AutoVM's
+timing counts a workspace for. Writes JSON.
 
     python3 recipes/gpu_tf_transients.py --batch 44 --out results/tensorflow/workspace/transients_b44_cap0.json
     python3 recipes/gpu_tf_transients.py --batch 44 --cap-gib 8 --out results/tensorflow/workspace/transients_b44_cap8.json

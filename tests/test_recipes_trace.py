@@ -122,7 +122,16 @@ def test_tf_trace_reads_what_the_plan_has_in_use_while_an_op_runs(monkeypatch):
     assert recipe.predicted_during(result, "o9", "bwd") is None
 
 
-def test_workspace_rule_recipe_counts_what_a_step_holds():
+def test_tf_trace_sets_no_prediction_against_an_optimizer_peak(monkeypatch):
+    """The simulator has no item for the optimizer's update: a peak there
+    is not compared with what a forward of the same layer has in use."""
+    recipe = _tf_recipe(monkeypatch)
+    assert recipe.peak_phase("model/a/Conv2D") == "fwd"
+    assert recipe.peak_phase("gradient_tape/model/a/Conv2DBackpropInput") == "bwd"
+    assert recipe.peak_phase("Adam/update_3/ResourceApplyAdam") is None
+
+
+def test_workspace_rule_recipe_counts_what_a_step_holds(monkeypatch):
     """`recipes/tf_workspace_rule.py`: under the rule AutoVM has now, a
     convolution's and a pooling's workspaces are dropped, a Dense layer's
     loses its kernel's bytes, a batch normalization's stays."""
@@ -133,6 +142,7 @@ def test_workspace_rule_recipe_counts_what_a_step_holds():
         pytest.skip("TensorFlow's workspaces")
     from keras_autovm import profiling
 
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")  # The recipe sets it as it loads.
     recipe = _recipe(_RECIPES / "tf_workspace_rule.py")
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
