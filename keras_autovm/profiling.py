@@ -47,8 +47,9 @@ REPEATS = 3
 # A cached profile of another format is measured again. 4: what the timing
 # costs a call is off torch's backward times (`timing.grad_call_s`). 5: torch
 # convolutions timed on views of their inputs, as AutoVM now runs them. 6: max
-# pooling on views too. 7: TensorFlow's calls measure their workspace.
-_FORMAT = 7
+# pooling on views too. 7: TensorFlow's calls measure their workspace. 8:
+# only where no layout transpose wraps a call alone, less a kernel's copy.
+_FORMAT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,8 @@ class LayerTime:
     `fwd_fixed_s` and `bwd_fixed_s` are the parts that do not grow with the
     batch (launch and Python overhead), from a second timing at a smaller
     batch (`Profile.with_fixed_times`); 0 when only one batch was timed.
-    `workspace_bytes` is the most the call allocates for a moment, forward
-    or backward, above what it holds before and after (0: not measured).
+    `workspace_bytes` is the most the call allocates for a moment above
+    what it holds before and after (0: not measured).
     """
 
     name: str

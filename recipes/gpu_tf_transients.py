@@ -3,10 +3,16 @@
 Measures, on the GPU, the transient bytes (`mechanisms/tensorflow/timing.py`'s
 `_transient`) of a few VGG-19 and ResNet layers called alone, with Grappler's
 layout optimizer on and off, and of the same layers run as a chain in one
-function, and counts the Transpose ops in each optimized backward graph:
+function, and counts the Transpose ops in each optimized backward graph
+(all, and those the layout optimizer made):
 the layout optimizer's part of what `gpu_tf_layer_transients.py` measured
 for each VGG-19 layer alone, and what decides which calls AutoVM's
 timing counts a workspace for. Writes JSON.
+
+The committed `results/tensorflow/workspace/transients_b44_cap*.json` came
+from this recipe at 0c21607, which measured each call through
+`timing.time_call` (then every call's workspace) and counted Transposes in
+the input's gradient only; it wrote no date, command or device name.
 
     python3 recipes/gpu_tf_transients.py --batch 44 --out results/tensorflow/workspace/transients_b44_cap0.json
     python3 recipes/gpu_tf_transients.py --batch 44 --cap-gib 8 --out results/tensorflow/workspace/transients_b44_cap8.json
@@ -27,6 +33,8 @@ import tensorflow as tf  # noqa: E402
 
 from keras_autovm.mechanisms.tensorflow import internals  # noqa: E402
 from keras_autovm.mechanisms.tensorflow import timing  # noqa: E402
+from keras_autovm.mechanisms.timing import call_values  # noqa: E402
+from keras_autovm.mechanisms.timing import variable_values  # noqa: E402
 
 MiB = 1 << 20
 
@@ -41,27 +49,40 @@ def cases(batch):
     }
 
 
-def alone(shape, make):
+def _runs(shape, make):
+    """The layer's call, with its weights, as the layer timing runs it."""
     layer = make()
     x = tf.ones(shape)
     y = layer(x)
     kwargs = {"training": True} if isinstance(layer, keras.layers.BatchNormalization) else {}
-    measured = timing.time_call(layer, (x,), kwargs, 1)
+    tv, ntv = variable_values(layer)
+    runs = timing._Runs(lambda tv, xs: call_values(layer, tv, ntv, (xs[0],), kwargs), [(tv, [x])])
+    return runs, x, y
+
+
+def alone(shape, make):
+    """The call's transients, forward and backward, whatever AutoVM counts."""
+    runs, x, y = _runs(shape, make)
+    forward = lambda: runs.runs(runs.arguments)  # noqa: E731
+    forward()
+    gradient = runs._gradient()
+    gradient()
+    fwd, bwd = timing._transient(forward), timing._transient(gradient)
     return {"input_mib": x.numpy().nbytes / MiB, "output_mib": int(tf.size(y)) * 4 / MiB,
-            "workspace_mib": measured.workspace_bytes / MiB,
-            "fwd_ms": measured.fwd_s * 1e3, "bwd_ms": measured.bwd_s * 1e3}
+            "workspace_mib": max(fwd, bwd) / MiB, "forward_mib": fwd / MiB,
+            "backward_mib": bwd / MiB}
 
 
 def transposes(shape, make):
-    layer = make()
-    x = tf.ones(shape)
-    layer(x)
-    kwargs = {"training": True} if isinstance(layer, keras.layers.BatchNormalization) else {}
-    runs = timing._Runs(lambda tv, xs: layer(xs[0], **kwargs), [([], [x])])
-    gradient = runs._gradient()
-    graphs = internals.tf_function_graphs(gradient)
-    ops = [n.op for g in graphs for n in g.post_optimization_graph.node]
-    return {"transposes": ops.count("Transpose"), "ops": len(ops)}
+    """Transposes in the call's optimized backward (weights' gradients
+    included), all of them and those the layout optimizer made."""
+    runs, _, _ = _runs(shape, make)
+    graphs = internals.tf_function_graphs(runs._gradient())
+    nodes = [n for g in graphs for n in g.post_optimization_graph.node]
+    return {"transposes": sum(n.op == "Transpose" for n in nodes),
+            "layout_transposes": sum(n.op == "Transpose" and "LayoutOptimizer" in n.name
+                                     for n in nodes),
+            "ops": len(nodes)}
 
 
 def chain(batch):

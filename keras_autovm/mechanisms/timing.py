@@ -20,7 +20,7 @@ CallTime = collections.namedtuple(
     "CallTime", ["fwd_s", "bwd_s", "workspace_bytes"], defaults=(0,))
 CallTime.__doc__ = """One layer call measured: its forward's and its backward's
 seconds, and the most bytes it allocates for a moment above what it holds
-before and after, forward or backward (0: not measured)."""
+before and after (0: not measured)."""
 
 
 class CallTimer:
@@ -29,7 +29,7 @@ class CallTimer:
     `add(key, operation, args, kwargs)` times one call with `time_call`
     (`Mechanism.time_call`'s signature); the caller adds each `key` once
     (`key in timer`). `results()` maps each key to its
-    `(forward_s, backward_s)`.
+    `(forward_s, backward_s)` or `CallTime`.
     """
 
     def __init__(self, time_call, repeats, progress=None):

@@ -16,8 +16,8 @@ timed in a function that runs it once and in one that runs it twice in a
 row; the difference is one call as a step runs it (`time_call`).
 
 On a GPU it also measures what the call allocates for a moment, its
-workspace (`_workspace`): the most allocated while its forward or its
-backward runs, above the larger of what was allocated before and after.
+workspace (`_workspace`): the most allocated while its backward runs,
+above the larger of what was allocated before and after.
 Keras's `BatchNormalization` is composite on TensorFlow, and its backward
 makes output-sized temporaries (Tile, Mul, AddN): on an H200, at the peak
 of ResNet-152's step at batch 264, the buffers live included five the
@@ -104,39 +104,48 @@ def time_call(operation, args, kwargs, repeats):
 
 
 def _workspace(forward, arguments, weight_bytes):
-    """Bytes a call allocates for a moment as a step runs it; 0 without a
-    GPU, or where a call alone does not run as in the step.
+    """Bytes a call allocates for a moment as a step runs it: what its
+    backward (its forward, where it has none) allocates above the larger of
+    what is held before and after, less `weight_bytes`; 0 without a GPU, or
+    where a call alone does not run as in the step.
 
     Alone, a convolution or a pooling is wrapped by Grappler's layout
     optimizer in transposes to and from the GPU's layout, which a step
     pays at the edges of the whole graph, not at each layer: on an H200
     (`results/tensorflow/workspace/transients_b44_cap0.json`) VGG-19's
     `block1_conv2` measured 8 outputs' worth alone and 4 with the layout
-    optimizer off, where the whole step measured under an 8 GiB cap was
-    0.73 GiB above a plan without any. A call whose optimized backward
-    (its forward, where it has none) has a Transpose is not measured, and
-    the first step learns what it makes (`first_step.py`). What a Dense
-    layer makes is one copy of its weight gradient (VGG-19's `fc1`, `fc2`
-    and `predictions`: 397.6, 66.1 and 16.6 MiB, their kernels 392, 64
-    and 15.6 MiB), which does not grow with the batch, and the plan counts
-    the weights' gradients already: the call's trainable bytes
-    (`weight_bytes`) come off.
+    optimizer off, where VGG-19's whole step at batch 100 under an 8 GiB
+    cap peaked 0.74 GiB above a plan without any
+    (`results/tensorflow/timing/d8c58ce_vgg19_96_104.json`). A call whose
+    measured graphs have a transpose the layout optimizer made is not
+    measured, and the first step learns what it makes (`first_step.py`).
+    Neither is a call that runs out of memory here. A Dense layer's
+    backward made one copy of its weight gradient (VGG-19's `fc1`, `fc2`
+    and `predictions` at batch 44: 397.6, 66.1 and 16.6 MiB, their kernels
+    392, 64 and 15.6 MiB), and the plan counts the weights' gradients
+    already: the call's trainable bytes (`weight_bytes`) come off.
     """
     if _memory_device() is None:
         return 0
     runs = _Runs(forward, arguments)
-    graphs = internals.tf_function_graphs(lambda: runs.runs(runs.arguments))
-    gradient = runs._gradient()
-    if gradient is not None:
-        # The backward's graphs decide. On an H200, checking the forward's
-        # too left every batch normalization of ResNet-152 unmeasured,
-        # where a batch normalization's backward alone has no Transpose
-        # (results/tensorflow/workspace/transients_b44_cap0.json) and makes
-        # the temporaries a step holds.
-        graphs = internals.tf_function_graphs(gradient)
-    if any(node.op == "Transpose" for g in graphs for node in g.post_optimization_graph.node):
-        return 0
-    return max(0, runs.transient_bytes() - weight_bytes)
+    try:
+        run = runs._gradient() or (lambda: runs.runs(runs.arguments))
+        # Only the run that instantiates a function lists its graphs.
+        graphs = internals.tf_function_graphs(run)
+        if not graphs or _layout_transposed(graphs):
+            return 0
+        return max(0, _transient(run) - weight_bytes)
+    except tf.errors.ResourceExhaustedError:
+        return 0  # Not measured: the first step learns it.
+
+
+def _layout_transposed(graphs):
+    """Whether Grappler's layout optimizer put a transpose in `graphs`
+    (`internals.tf_function_graphs`): it names what it adds
+    `...-LayoutOptimizer`. A layer's own transposes (`Permute`) are not
+    its."""
+    return any(node.op == "Transpose" and "LayoutOptimizer" in node.name
+               for g in graphs for node in g.post_optimization_graph.node)
 
 
 def _nbytes(x):
@@ -200,13 +209,6 @@ class _Runs:
         gradient = self._gradient()
         return None if gradient is None else median_seconds(gradient, _wait, repeats)
 
-    def transient_bytes(self):
-        """The most the runs allocate for a moment, forward or backward
-        (`_transient`)."""
-        forward = _transient(lambda: self.runs(self.arguments))
-        gradient = self._gradient()
-        return max(forward, _transient(gradient) if gradient is not None else 0)
-
     def _gradient(self):
         """A function that runs the backward of the runs, recorded once on
         a persistent tape; `None` where nothing is floating, in or out."""
@@ -241,11 +243,11 @@ def _transient(run):
     try:
         before = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
-        result = run()
-        _wait()
-        stats = tf.config.experimental.get_memory_info(device)
     except (ValueError, tf.errors.OpError):
         return 0  # This device's allocator keeps no count.
+    result = run()  # Running out of memory here is the caller's to handle.
+    _wait()
+    stats = tf.config.experimental.get_memory_info(device)
     del result
     return max(0, stats["peak"] - max(before, stats["current"]))
 
