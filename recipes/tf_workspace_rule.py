@@ -10,6 +10,8 @@ records `offload_all`'s predicted peak, what that plan has in use during
 the backward of the layers named with `--at`, and what `auto` plans under
 `--budget-gib` at each headroom of `--headrooms`. Predictions of the
 simulator, from measured layer times and workspaces; nothing runs on a GPU.
+A profile from 0c21607 holds, per call, the most of its forward's and its
+backward's transients, where AutoVM now measures the backward's alone.
 
     python recipes/tf_workspace_rule.py --model resnet152 --batch 264 \\
         --profile results/tensorflow/workspace/0c21607_profile_resnet152_b264.json \\
