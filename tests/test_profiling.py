@@ -755,21 +755,44 @@ def test_tensorflow_workspace_of_a_call_the_layout_optimizer_wraps_is_not_measur
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
 def test_tensorflow_workspace_is_decided_by_the_backward(monkeypatch):
-    """Alone on an H200 a batch normalization's forward had a layout
-    transpose its backward did not: the backward's graphs decide."""
+    """The backward's graphs decide, and its memory: a forward that makes
+    a large temporary it does not save is not what the backward holds."""
     from keras_autovm.mechanisms.tensorflow import timing
+
+    class Wide(keras.layers.Layer):
+        def call(self, x):  # An 8x temporary, gone before the forward ends.
+            scale = keras.ops.mean(keras.ops.tile(x, (8, 1)))
+            return keras.layers.Activation("softsign")(x) * keras.ops.stop_gradient(scale)
 
     monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
     seen = []
     check = timing._layout_transposed
     monkeypatch.setattr(timing, "_layout_transposed",
                         lambda graphs: seen.append(graphs) or check(graphs))
-    layer = keras.layers.Dense(4)
-    x = keras.ops.ones((2, 3))
+    x = keras.ops.ones((256, 1024))
+    layer = Wide()
     layer(x)
-    timing.time_call(layer, (x,), {}, 1)
+    workspace = timing.time_call(layer, (x,), {}, 1).workspace_bytes
     ops = {n.op for g in seen[-1] for n in g.post_optimization_graph.node}
-    assert "BiasAddGrad" in ops and "BiasAdd" not in ops
+    assert "SoftsignGrad" in ops and "Softsign" not in ops and "Tile" not in ops
+    assert workspace < 4 * 256 * 1024 * 4  # The forward's tile is 8 inputs.
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
+def test_tensorflow_graph_listing_holds_only_what_the_call_instantiated():
+    """Functions instantiated before the listing (another layer's, timed
+    before) are not listed with the call's own."""
+    import tensorflow as tf
+
+    from keras_autovm.mechanisms.tensorflow import internals
+
+    x = tf.ones((3,))
+    internals.tf_function_graphs(tf.function(lambda x: tf.math.sin(x)), x)
+    before = tf.function(lambda x: tf.math.cos(x))
+    before(x)  # Instantiated between two listings, in neither.
+    graphs = internals.tf_function_graphs(tf.function(lambda x: tf.math.tan(x)), x)
+    ops = {n.op for g in graphs for n in g.post_optimization_graph.node}
+    assert "Tan" in ops and "Cos" not in ops
 
 
 def test_an_unmeasured_workspace_leaves_the_ops_own():

@@ -170,7 +170,8 @@ def tf_function_graphs(fn, *args):
     """Runs `fn(*args)` and returns the graphs of the functions it ran.
 
     One `RunMetadata.FunctionGraphs` per function TensorFlow instantiated
-    during the call (a function already run before is not listed), with
+    during the call (a function already run before is not listed, nor one
+    instantiated before the call), with
     `pre_optimization_graph`, `post_optimization_graph` (after Grappler)
     and `partition_graphs` (one per device, with the Send/Recv pairs
     between them). Tests and the GPU recipe use it to show that the swap's
@@ -184,6 +185,9 @@ def tf_function_graphs(fn, *args):
     ctx = context.context()
     ctx.enable_run_metadata()
     try:
+        # The context collects the graphs of every function instantiated
+        # since the last export, listing on or not: drop them first.
+        ctx.export_run_metadata()
         fn(*args)
         metadata = ctx.export_run_metadata()
     finally:

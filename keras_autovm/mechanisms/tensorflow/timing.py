@@ -135,8 +135,10 @@ def _workspace(forward, arguments, weight_bytes):
         if not graphs or _layout_transposed(graphs):
             return 0
         return max(0, _transient(run) - weight_bytes)
-    except tf.errors.ResourceExhaustedError:
-        return 0  # Not measured: the first step learns it.
+    except (tf.errors.ResourceExhaustedError, tf.errors.InternalError):
+        # Out of memory (cuDNN's and cuBLAS's failures to allocate come as
+        # internal errors): not measured, the first step learns it.
+        return 0
 
 
 def _layout_transposed(graphs):
