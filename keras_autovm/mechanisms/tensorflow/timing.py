@@ -110,8 +110,9 @@ def _workspace(forward, arguments, weight_bytes):
     where a call alone does not run as in the step.
 
     Alone, a convolution or a pooling is wrapped by Grappler's layout
-    optimizer in transposes to and from the GPU's layout, which a step
-    pays at the edges of the whole graph, not at each layer: on an H200
+    optimizer in transposes to and from the GPU's layout, which a step,
+    converting its graph as a whole, pays only where the layout changes,
+    not around each layer: on an H200
     (`results/tensorflow/workspace/transients_b44_cap0.json`) VGG-19's
     `block1_conv2` measured 8 outputs' worth alone and 4 with the layout
     optimizer off, where VGG-19's whole step at batch 100 under an 8 GiB
