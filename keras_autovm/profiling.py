@@ -312,10 +312,14 @@ def load(profile):
 def warn_if_foreign(profile, model, backend):
     """Warns when a given profile was measured for another architecture or
     backend: its times are matched to this model's layers by name only."""
-    if profile.fingerprint != fingerprint(model) or profile.backend != backend:
+    differs = []
+    if profile.fingerprint != fingerprint(model):
+        differs.append("another model (its architecture differs)")
+    if profile.backend != backend:
+        differs.append(f"another backend ({profile.backend}; this one: {backend})")
+    if differs:
         warnings.warn(
-            f"The profile given was measured for another model or backend "
-            f"(its backend: {profile.backend}; this one: {backend}); AutoVM "
+            f"The profile given was measured for {' and '.join(differs)}; AutoVM "
             f"applies its times to the layers whose names match.", stacklevel=3)
 
 

@@ -408,8 +408,13 @@ def test_a_profile_timed_at_a_smaller_batch_is_measured_again_with_room(cache):
 
 def test_a_profile_of_another_model_warns(tmp_path):
     other = profiling.measure(skip_model(), 4, mechanisms.get(), repeats=1)
-    with pytest.warns(UserWarning, match="another model"):
+    with pytest.warns(UserWarning, match="another model") as caught:
         keras_autovm.plan(small_cnn(), 4, budget="1GiB", profile=other)
+    # The same backend is not named as a difference.
+    assert not any("another backend" in str(w.message) for w in caught)
+    elsewhere = dataclasses.replace(fake_profile(small_cnn(), 4), backend="elsewhere")
+    with pytest.warns(UserWarning, match=f"another backend \\(elsewhere; this one: {BACKEND}\\)"):
+        keras_autovm.plan(small_cnn(), 4, budget="1GiB", profile=elsewhere)
 
 
 def test_a_cached_profile_of_another_format_is_measured_again(cache):
