@@ -44,6 +44,15 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def cpu_memory(monkeypatch):
+    """TensorFlow's layer timing measures workspaces in the CPU's memory, as
+    it does in a GPU's (without a GPU it measures none)."""
+    from keras_autovm.mechanisms.tensorflow import timing
+
+    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
+
+
 def test_measure_times_every_layer_call_and_changes_nothing():
     model = dropout_cnn()
     variables = [keras.ops.convert_to_numpy(v.value) for v in model.variables]
@@ -660,14 +669,13 @@ def test_tensorflow_measures_what_a_call_allocates_for_a_moment(monkeypatch):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
-def test_tensorflow_transient_is_the_most_above_before_and_after(monkeypatch):
+def test_tensorflow_transient_is_the_most_above_before_and_after(cpu_memory):
     """What the run keeps (its result) is not a temporary; what it makes
     and frees inside is."""
     import tensorflow as tf
 
     from keras_autovm.mechanisms.tensorflow import timing
 
-    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
 
     n = 1 << 20
     x = tf.zeros([n], tf.uint8)
@@ -697,7 +705,7 @@ def test_a_measured_workspace_reaches_the_plan_scaled_with_the_batch(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
-def test_tensorflow_workspace_leaves_out_a_copy_of_the_weight_gradient(monkeypatch):
+def test_tensorflow_workspace_leaves_out_a_copy_of_the_weight_gradient(cpu_memory):
     """A Dense layer's backward makes one copy of its kernel's gradient: it
     does not grow with the batch, and the plan counts weight gradients with
     the weights."""
@@ -705,7 +713,6 @@ def test_tensorflow_workspace_leaves_out_a_copy_of_the_weight_gradient(monkeypat
     from keras_autovm.mechanisms.timing import call_values
     from keras_autovm.mechanisms.timing import variable_values
 
-    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
     # Large against what the rest of the process may allocate meanwhile
     # (the CPU's allocator is the whole process's).
     layer = keras.layers.Dense(1024)
@@ -722,7 +729,7 @@ def test_tensorflow_workspace_leaves_out_a_copy_of_the_weight_gradient(monkeypat
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
 def test_tensorflow_workspace_of_a_call_the_layout_optimizer_wraps_is_not_measured(
-        monkeypatch):
+        monkeypatch, cpu_memory):
     """Alone, a GPU convolution is wrapped in transposes a step does not
     pay at each layer: such a call's workspace is left to the first step."""
     import types
@@ -730,7 +737,6 @@ def test_tensorflow_workspace_of_a_call_the_layout_optimizer_wraps_is_not_measur
     from keras_autovm.mechanisms.tensorflow import internals
     from keras_autovm.mechanisms.tensorflow import timing
 
-    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
     layer = keras.layers.BatchNormalization()
     x = keras.ops.ones((8, 32, 32, 16))
     layer(x)
@@ -759,7 +765,7 @@ def test_tensorflow_workspace_of_a_call_the_layout_optimizer_wraps_is_not_measur
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's layer timing")
-def test_tensorflow_workspace_is_decided_by_the_backward(monkeypatch):
+def test_tensorflow_workspace_is_decided_by_the_backward(monkeypatch, cpu_memory):
     """The backward's graphs decide, and its memory: a forward that makes
     a large temporary it does not save is not what the backward holds."""
     from keras_autovm.mechanisms.tensorflow import timing
@@ -769,7 +775,6 @@ def test_tensorflow_workspace_is_decided_by_the_backward(monkeypatch):
             scale = keras.ops.mean(keras.ops.tile(x, (8, 1)))
             return keras.layers.Activation("softsign")(x) * keras.ops.stop_gradient(scale)
 
-    monkeypatch.setattr(timing, "_memory_device", lambda: "CPU:0")
     seen = []
     check = timing._layout_transposed
     monkeypatch.setattr(timing, "_layout_transposed",

@@ -60,8 +60,8 @@ _LEAST_S = CostModel.op_overhead_s
 
 def time_call(operation, args, kwargs, repeats):
     """`CallTime(forward_s, backward_s, workspace_bytes)` of one layer call;
-    see `Mechanism.time_call`. `workspace_bytes` is 0 where the allocator
-    keeps no count (TensorFlow's default one on a CPU).
+    see `Mechanism.time_call`. `workspace_bytes` is 0 where it is not
+    measured (`_workspace`: without a GPU, among others).
 
     The difference between a function running the call twice in a row and
     one running it once (the second call on copies of the arguments, so
