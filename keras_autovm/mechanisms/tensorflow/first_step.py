@@ -28,22 +28,21 @@ step compiles and is not timed:
   as the step was traced are reset), the overhead is learnt as on the
   other backends (`oom.overhead_after_oom`), the batch size is replanned,
   the step retraced and run again; where no plan fits what it showed, the
-  last plan measured within the budget for the batch size comes back, or,
+  last plan measured within its limit for the batch size comes back, or,
   without one, the `PlanError` is the user's;
-- it ran within the budget: the plan is kept (the headroom is for
-  predictions); over its limit, the overhead (measured peak over
-  predicted) is learnt for the plans made later, and said;
-- its peak reached the allocator's limit (`Mechanism.fills_allocator`):
-  the step ran, but what it needs is unknown (at least that much), and
-  the steps after it may not run: on an H200, ResNet-152's at batch 264
-  (8 GiB cap) peaked 1.8 KB short of the cap and the third step ran out of
-  memory (results/tensorflow/rerun/). The overhead is learnt and the batch
-  size replanned; where no plan fits, the plan that ran is kept, and it
-  is the fallback of a later step that runs out of memory;
-- it ran over the budget: the step stands, the overhead is learnt, and
-  the next step runs under a new plan, measured in its turn.
+- it ran within its limit (the budget less the headroom): the plan is kept;
+- it ran over its limit, over the budget, or its peak reached the
+  allocator's limit (`Mechanism.fills_allocator`): the step stands, the
+  overhead (measured peak over predicted) is learnt, the batch size is
+  replanned, and the next step runs under the new plan, measured in its
+  turn; where no plan fits, the `PlanError` is the user's. A step within
+  the budget but over its limit is not kept: on an H200, ResNet-152's at
+  batch 264 (8 GiB cap) peaked 1.8 KB and, with 5% headroom, 45 MB short
+  of the cap, and each time the third step ran out of memory; another
+  first step, 218 MB short, trained (results/tensorflow/rerun/,
+  results/tensorflow/workspace/).
 
-After `RETRIES` replans, a plan over the budget is kept and said, and a
+After `RETRIES` replans, a plan over its limit is kept and said, and a
 step out of memory is the user's error. Only with `steps_per_execution=1`
 (one batch a call). The allocator's peak is reset before each measured
 step: an epoch's peak counts from its last measured step, and the
@@ -70,7 +69,7 @@ from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 from keras_autovm.planner import overhead_text
 
-# Replans after a first step over the budget or out of memory, per `fit`'s
+# Replans after a first step over its limit or out of memory, per `fit`'s
 # training function.
 RETRIES = 3
 # Plans predicted to fit this many times over are not measured (a
@@ -154,33 +153,30 @@ class FirstSteps:
             self._after_out_of_memory(applied.plan, error)
 
     def _ran(self, plan, peak, logs):
-        """A measured step that ran: kept within the budget (the headroom is
-        for predictions), replanned for the next step over it or where it
-        filled the allocator."""
+        """A measured step that ran: kept within its limit (the budget less
+        the headroom), else replanned for the next step; where no plan fits
+        what it showed, the `PlanError` is the user's."""
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
         full = runtime.mechanism.fills_allocator(peak)
-        if (peak <= plans.budget_bytes and not full) or self.replans == RETRIES:
+        if (peak <= plans.headroom_limit and not full) or self.replans == RETRIES:
             if peak > plans.headroom_limit:
                 _learn(plans, plan, peak)
                 runtime.warn(
                     f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans)} Kept: "
-                    + ("within the budget" if peak <= plans.budget_bytes else
-                       f"over the budget after {RETRIES} replans")
-                    + "; plans made from now on allow for a measured memory "
-                    f"overhead of {_overhead(plans)}.")
+                    f"over its limit after {RETRIES} replans; plans made from now "
+                    f"on allow for a measured memory overhead of {_overhead(plans)}.")
             self._fitted(plan)
             return logs
         _learn(plans, plan, peak)
-        what = ("filled the allocator's limit" if full else "over the budget")
-        ran = peak <= plans.budget_bytes
-        if ran:  # A fallback should the next plan run out of memory.
-            runtime.fitted_plans[plan.graph.batch_size] = plan
-        # The step stood; the next one runs under the new plan. Where none
-        # fits, this one ran within the budget: it stays.
-        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, {what}", plans),
-                     "first_step_replans", plan if ran else None)
+        # Within the budget is not enough: on an H200, ResNet-152's first
+        # step at batch 264 (8 GiB cap, 5% headroom) peaked 45 MB short of
+        # the cap, over its limit, and the third step ran out of memory
+        # (results/tensorflow/workspace/). The step stood; the next one runs
+        # under the new plan.
+        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, {_where(peak, full, plans)}",
+                                 plans), "first_step_replans")
         return logs
 
     def _fitted(self, plan):
@@ -215,15 +211,9 @@ class FirstSteps:
                 no_plan.args = (f"{seen} {no_plan.args[0]}",)
                 raise
             new, said = fallback, ("No plan fits what it showed; back to the "
-                                   "plan measured within the budget before.")
+                                   "plan measured within its limit before.")
             runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
         self.replans += 1
-        if new is plan:  # It ran: kept, and not measured again.
-            runtime.stats["first_step_kept"] = runtime.stats.get("first_step_kept", 0) + 1
-            self._fitted(plan)
-            runtime.warn(f"{seen} No plan fits what it showed; kept, since it ran "
-                         "within the budget.")
-            return
         runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
         runtime.replace(new)
         runtime.warn(f"{seen} {said}")
@@ -257,6 +247,12 @@ def _learn(plans, plan, peak):
     the bytes by 1% (results/tensorflow/trace/)."""
     plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
     plans.memory_extra = max(plans.memory_extra, peak - plan.result.peak_bytes)
+
+
+def _where(peak, full, plans):
+    if full:
+        return "filled the allocator's limit"
+    return "over the budget" if peak > plans.budget_bytes else "over its limit"
 
 
 def _overhead(plans):
