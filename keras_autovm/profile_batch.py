@@ -7,11 +7,16 @@ need it runs at a smaller batch (`timing_batch`). Each call is then timed
 alone: where the largest call, its inputs, outputs and their gradients,
 fits beside the pass at the training batch (`calls_fit`), the calls are
 timed at that batch on inputs made for it (zeros, like the pass's own);
-otherwise at the pass's batch, and scaled up. Scaled up, ResNet-152's
-layer backwards timed under a 10.5 GiB cap on an H100 summed to 0.32 s,
-timed at the training batch 0.15 s (the step's backward: 0.18 s): a small
-batch uses the GPU less well per sample, and the plan counted on a
-backward twice as long as the real one (docs/results.md).
+otherwise at the largest batch above the pass's where every call, with
+the temporaries a call alone makes, fits beside a pass of 2
+(`largest_call_batch`); otherwise at the pass's batch. Times are scaled up
+from the batch timed. Scaled up, ResNet-152's layer backwards timed under
+a 10.5 GiB cap on an H100 summed to 0.32 s, timed at the training batch
+0.15 s (the step's backward: 0.18 s): a small batch uses the GPU less
+well per sample, and the plan counted on a backward twice as long as the
+real one (docs/results.md). On an H200 under an 8 GiB cap, ResNet-152's
+layers timed at batch 11 (the pass's) summed to 3.3 to 4.5 s scaled to
+264, timed at 264 without a cap 0.99 s (results/tensorflow/workspace/).
 """
 
 import keras
@@ -23,6 +28,17 @@ from keras_autovm.model_graph import layer_facts
 # A timed call holds its inputs and outputs, the outputs' gradients and the
 # inputs' gradients: about three times what it reads and writes.
 _CALL_COPIES = 3
+# Below the training batch, a call is timed only where it fits with all it
+# makes alone: its inputs, outputs and both gradients (twice what it reads
+# and writes), and temporaries of up to 8 outputs (on an H200, alone,
+# VGG-19's `block1_conv2` backward made 8 outputs' worth, layout
+# transposes included; a batch normalization's 4; results/tensorflow/workspace/).
+_CALL_COPIES_ALONE = 2
+_TEMPORARY_OUTPUTS = 8
+# The smallest pass beside calls timed at a batch of their own: at 1, a
+# tensor that is not batched but has a leading 1 would be taken for one
+# that is (`at_batch`).
+LEAST_PASS = 2
 
 
 def timing_batch(model, batch_size, limit_bytes, graph=None):
@@ -49,14 +65,41 @@ def calls_fit(model, batch_size, pass_batch, limit_bytes, graph=None):
     if limit_bytes is None:
         return True
     graph = graph or build_graph(model, 1)
+    largest = max(_reads_and_writes(model, graph))
+    workspace = max(op.workspace_bytes for op in graph.ops)
+    return (_CALL_COPIES * largest * batch_size + workspace
+            <= _room(graph, limit_bytes, pass_batch))
+
+
+def largest_call_batch(model, batch_size, limit_bytes, graph=None):
+    """The largest batch, up to `batch_size`, at which every layer call,
+    timed alone with the temporaries a call alone makes, fits beside a pass
+    of `LEAST_PASS` under `limit_bytes`; 0 where none does."""
+    graph = graph or build_graph(model, 1)
+    need = max(_CALL_COPIES_ALONE * size + _TEMPORARY_OUTPUTS * written
+               for size, written in zip(_reads_and_writes(model, graph),
+                                        _writes(graph)))
+    return int(max(0, min(batch_size, _room(graph, limit_bytes, LEAST_PASS) // max(need, 1))))
+
+
+def _reads_and_writes(model, graph):
+    """Per op, the bytes per sample it reads and writes."""
     sizes = {t.name: t.nbytes for t in graph.tensors}
     batch_in = sum(layer_facts.nbytes(x, 1, "input")
                    for x in internals.functional_of(model).inputs)
-    largest = max((sum(sizes[t] for t in op.inputs) or batch_in)
-                  + sum(sizes[t] for t in op.outputs) for op in graph.ops)
-    workspace = max(op.workspace_bytes for op in graph.ops)
-    room = limit_bytes - graph.persistent_bytes - sum(sizes.values()) * pass_batch
-    return _CALL_COPIES * largest * batch_size + workspace <= room
+    return [(sum(sizes[t] for t in op.inputs) or batch_in)
+            + sum(sizes[t] for t in op.outputs) for op in graph.ops]
+
+
+def _writes(graph):
+    sizes = {t.name: t.nbytes for t in graph.tensors}
+    return [sum(sizes[t] for t in op.outputs) for op in graph.ops]
+
+
+def _room(graph, limit_bytes, pass_batch):
+    """What is left under `limit_bytes` beside a pass at `pass_batch`."""
+    return (limit_bytes - graph.persistent_bytes
+            - sum(t.nbytes for t in graph.tensors) * pass_batch)
 
 
 def at_batch(structure, batch_size, pass_batch):
@@ -80,12 +123,18 @@ def at_batch(structure, batch_size, pass_batch):
 def timing_batch_for(model, batch_size, limit_bytes):
     """`(pass_batch, time_at)`: the batch the profiling pass runs at, and
     the one each call is timed at: the training batch where the calls fit
-    beside a pass of 2 or more, else the pass's own."""
+    beside a pass of 2 or more; else the largest batch above the pass's
+    that fits beside a pass of `LEAST_PASS` (`largest_call_batch`), with
+    that pass; else the pass's own."""
     if limit_bytes is None:
         return batch_size, batch_size
-    graph = build_graph(model, 1)  # Once, for both.
+    graph = build_graph(model, 1)  # Once, for all.
     pass_batch = timing_batch(model, batch_size, limit_bytes, graph)
-    if 1 < pass_batch < batch_size and calls_fit(model, batch_size, pass_batch,
-                                                 limit_bytes, graph):
+    if not 1 < pass_batch < batch_size:
+        return pass_batch, pass_batch
+    if calls_fit(model, batch_size, pass_batch, limit_bytes, graph):
         return pass_batch, batch_size
+    time_at = largest_call_batch(model, batch_size, limit_bytes, graph)
+    if time_at > pass_batch:
+        return LEAST_PASS, time_at
     return pass_batch, pass_batch

@@ -39,8 +39,8 @@ from keras_autovm.profile_cache import call_key
 from keras_autovm.profile_cache import fingerprint
 from keras_autovm.profile_batch import at_batch
 from keras_autovm.profile_batch import timing_batch_for
-# `timing_batch` is part of this module's API too.
-from keras_autovm.profile_batch import timing_batch  # noqa: F401
+# `timing_batch` is part of this module's API too, and times a fallback pass.
+from keras_autovm.profile_batch import timing_batch
 
 #: Timed runs of each forward and backward, after one warm-up.
 REPEATS = 3
@@ -211,21 +211,27 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                        for t, n in zip(cached.layers, names))
         return dataclasses.replace(cached, layers=layers), False
     profile = None
-    if time_at > pass_batch:  # Each call alone at the training batch.
+    if time_at > pass_batch:  # Each call alone at a batch of its own.
         try:
             profile = measure(model, pass_batch, mechanism, verbose=verbose,
                               time_at=time_at)
         except Exception as error:  # noqa: BLE001 -- only out-of-memory is caught
             if not mechanism.out_of_memory(error):
                 raise
-            mechanism.release_memory()  # Then time at the pass's batch.
+            mechanism.release_memory()  # Then time in the largest pass.
+            pass_batch = timing_batch(model, batch_size, limit_bytes)
     if profile is None:
         profile = measure(model, pass_batch, mechanism, verbose=verbose)
     if 1 < profile.batch_size < batch_size:
         # Scaled up to the fit's batch, a layer's fixed cost (Python and
         # launch overhead) would grow with it: ResNet-152 timed at a small
         # batch and planned at 193 was predicted at 5.3x its measured step.
-        smaller = measure(model, pass_batch // 2, mechanism, verbose=verbose)
+        # Timed at half its batch, beside the same pass where it had one of
+        # its own, the line is fitted where the GPU is used as it is there.
+        smaller = (measure(model, pass_batch, mechanism, verbose=verbose,
+                           time_at=profile.batch_size // 2)
+                   if profile.batch_size > pass_batch else
+                   measure(model, pass_batch // 2, mechanism, verbose=verbose))
         profile = profile.with_fixed_times(smaller)
     profile.save(path)
     return profile, True

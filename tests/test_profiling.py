@@ -510,6 +510,81 @@ def test_calls_that_run_out_of_memory_at_the_training_batch_are_timed_in_the_pas
     assert any(t.fwd_fixed_s > 0 or t.bwd_fixed_s > 0 for t in profile.layers)
 
 
+def ten_convs():
+    return keras.Sequential([keras.Input((16, 16, 3))] + [
+        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+
+
+def passes_run(monkeypatch):
+    """The batch of each profiling pass, in order."""
+    passes, real_run = [], profiling.internals.run_calls
+
+    def run_calls(model, inputs, around):
+        passes.append(tuple(inputs[0].shape)[0])
+        return real_run(model, inputs, around)
+
+    monkeypatch.setattr(profiling.internals, "run_calls", run_calls)
+    return passes
+
+
+def test_calls_too_large_for_the_training_batch_are_timed_at_the_largest_that_fits(
+        cache, monkeypatch):
+    """Not at the pass's batch, scaled up: on an H200, ResNet-152's layers
+    timed at 11 summed to 3.3x their times at 264. Beside the smallest
+    pass, with the temporaries a call alone makes; the fixed times are
+    fitted from half that batch, beside the same pass."""
+    from keras_autovm import profile_batch
+    from keras_autovm.model_graph import build_graph
+    model = ten_convs()
+    one = build_graph(model, 1)
+    limit = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 20
+    largest_pass = profiling.timing_batch(model, 64, limit)
+    pass_batch, time_at = profile_batch.timing_batch_for(model, 64, limit)
+    assert not profile_batch.calls_fit(model, 64, largest_pass, limit)
+    assert pass_batch == profile_batch.LEAST_PASS and largest_pass < time_at < 64
+    assert time_at == profile_batch.largest_call_batch(model, 64, limit)
+    # Where the limit is one sample's worth less, so is the batch.
+    assert profile_batch.largest_call_batch(model, 64, limit - 10**5) < time_at
+    mechanism = mechanisms.get()
+    calls, passes = timed_calls(mechanism, monkeypatch), passes_run(monkeypatch)
+    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=limit)
+    batches = [{tuple(x.shape)[0] for x in keras.tree.flatten(args) if hasattr(x, "shape")}
+               for _, args in calls]
+    half = len(batches) // 2
+    assert measured and profile.batch_size == time_at and passes == [pass_batch] * 2
+    assert batches[:half] == [{time_at}] * half
+    assert batches[half:] == [{time_at // 2}] * half
+    assert profile.layers[0].output_bytes == time_at * 16 * 16 * 8 * 4
+
+
+def test_calls_out_of_memory_at_a_batch_of_their_own_are_timed_in_the_largest_pass(
+        cache, monkeypatch):
+    from keras_autovm.model_graph import build_graph
+    model = ten_convs()
+    one = build_graph(model, 1)
+    limit = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 20
+    largest_pass = profiling.timing_batch(model, 64, limit)
+    mechanism = mechanisms.get()
+    real = profiling.measure
+
+    class OutOfMemory(Exception):
+        pass
+
+    def measure(model, batch_size, mechanism, time_at=None, **kwargs):
+        if time_at and time_at > largest_pass:
+            raise OutOfMemory()
+        return real(model, batch_size, mechanism, time_at=time_at, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure", measure)
+    monkeypatch.setattr(type(mechanism), "out_of_memory",
+                        lambda self, error: isinstance(error, OutOfMemory))
+    passes = passes_run(monkeypatch)
+    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=limit)
+    assert measured and profile.batch_size == largest_pass
+    assert passes == [largest_pass, largest_pass // 2]
+
+
 def test_inputs_made_for_a_larger_batch_keep_what_is_not_batched():
     from keras_autovm.profile_batch import at_batch
     x, w = keras.ops.ones((3, 5)), keras.ops.ones((4, 5))
