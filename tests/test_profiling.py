@@ -444,72 +444,6 @@ def test_a_cached_profile_of_another_format_is_measured_again(cache):
 
 
 
-def test_calls_that_fit_at_the_training_batch_are_timed_there(cache, monkeypatch):
-    from keras_autovm import profile_batch
-    from keras_autovm.model_graph import build_graph
-    model = small_cnn()
-    one = build_graph(model, 1)
-    per_sample = sum(t.nbytes for t in one.tensors)
-    # The pass holds 3 samples' outputs; one call alone at 8 does not fit
-    # beside it.
-    limit = one.persistent_bytes + 2 * per_sample * 3
-    assert profile_batch.timing_batch_for(model, 8, limit) == (3, 3)
-    assert not profile_batch.calls_fit(model, 8, 3, limit)
-    # A deeper model: no one call holds a third of what the pass does.
-    model = keras.Sequential([keras.Input((16, 16, 3))] + [
-        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
-        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
-    one = build_graph(model, 1)
-    roomy = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 100
-    pass_batch, time_at = profile_batch.timing_batch_for(model, 64, roomy)
-    assert pass_batch < 64 and time_at == 64
-    mechanism = mechanisms.get()
-    calls, passes = timed_calls(mechanism, monkeypatch), []
-    real_run = profiling.internals.run_calls
-
-    def run_calls(model, inputs, around):
-        passes.append(tuple(inputs[0].shape)[0])
-        return real_run(model, inputs, around)
-
-    monkeypatch.setattr(profiling.internals, "run_calls", run_calls)
-    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=roomy)
-    shapes = [{tuple(x.shape)[0] for x in keras.tree.flatten(args) if hasattr(x, "shape")}
-              for _, args in calls]
-    assert measured and profile.batch_size == 64 and passes == [pass_batch]
-    assert shapes and all(s == {64} for s in shapes)
-    assert all(t.fwd_fixed_s == t.bwd_fixed_s == 0 for t in profile.layers)
-    assert profile.layers[0].output_bytes == 64 * 16 * 16 * 8 * 4
-    # Cached: the same limit reads it back.
-    assert not profiling.obtain(model, 64, mechanism, limit_bytes=roomy)[1]
-
-
-def test_calls_that_run_out_of_memory_at_the_training_batch_are_timed_in_the_pass(
-        cache, monkeypatch):
-    model = keras.Sequential([keras.Input((16, 16, 3))] + [
-        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
-        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
-    from keras_autovm.model_graph import build_graph
-    one = build_graph(model, 1)
-    roomy = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 100
-    mechanism = mechanisms.get()
-    real = profiling.measure
-
-    class OutOfMemory(Exception):
-        pass
-
-    def measure(model, batch_size, mechanism, time_at=None, **kwargs):
-        if time_at and time_at > batch_size:
-            raise OutOfMemory()
-        return real(model, batch_size, mechanism, **kwargs)
-
-    monkeypatch.setattr(profiling, "measure", measure)
-    monkeypatch.setattr(type(mechanism), "out_of_memory",
-                        lambda self, error: isinstance(error, OutOfMemory))
-    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=roomy)
-    assert measured and profile.batch_size < 64
-    assert any(t.fwd_fixed_s > 0 or t.bwd_fixed_s > 0 for t in profile.layers)
-
-
 def ten_convs():
     return keras.Sequential([keras.Input((16, 16, 3))] + [
         keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
@@ -526,6 +460,36 @@ def passes_run(monkeypatch):
 
     monkeypatch.setattr(profiling.internals, "run_calls", run_calls)
     return passes
+
+
+def test_calls_that_fit_at_the_training_batch_are_timed_there(cache, monkeypatch):
+    from keras_autovm import profile_batch
+    from keras_autovm.model_graph import build_graph
+    model = small_cnn()
+    one = build_graph(model, 1)
+    per_sample = sum(t.nbytes for t in one.tensors)
+    # The pass holds 3 samples' outputs; one call alone at 8 does not fit
+    # beside it.
+    limit = one.persistent_bytes + 2 * per_sample * 3
+    assert profile_batch.timing_batch_for(model, 8, limit) == (3, 3)
+    assert not profile_batch.calls_fit(model, 8, 3, limit)
+    # A deeper model: no one call holds a third of what the pass does.
+    model = ten_convs()
+    one = build_graph(model, 1)
+    roomy = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 100
+    pass_batch, time_at = profile_batch.timing_batch_for(model, 64, roomy)
+    assert pass_batch < 64 and time_at == 64
+    mechanism = mechanisms.get()
+    calls, passes = timed_calls(mechanism, monkeypatch), passes_run(monkeypatch)
+    profile, measured = profiling.obtain(model, 64, mechanism, limit_bytes=roomy)
+    shapes = [{tuple(x.shape)[0] for x in keras.tree.flatten(args) if hasattr(x, "shape")}
+              for _, args in calls]
+    assert measured and profile.batch_size == 64 and passes == [pass_batch]
+    assert shapes and all(s == {64} for s in shapes)
+    assert all(t.fwd_fixed_s == t.bwd_fixed_s == 0 for t in profile.layers)
+    assert profile.layers[0].output_bytes == 64 * 16 * 16 * 8 * 4
+    # Cached: the same limit reads it back.
+    assert not profiling.obtain(model, 64, mechanism, limit_bytes=roomy)[1]
 
 
 def test_calls_too_large_for_the_training_batch_are_timed_at_the_largest_that_fits(
@@ -558,13 +522,18 @@ def test_calls_too_large_for_the_training_batch_are_timed_at_the_largest_that_fi
     assert profile.layers[0].output_bytes == time_at * 16 * 16 * 8 * 4
 
 
+@pytest.mark.parametrize("samples", [100, 20])
 def test_calls_out_of_memory_at_a_batch_of_their_own_are_timed_in_the_largest_pass(
-        cache, monkeypatch):
+        cache, monkeypatch, samples):
+    """At the training batch (room for 100 samples' outputs) or at the
+    largest batch that fits beside the smallest pass (room for 20)."""
+    from keras_autovm import profile_batch
     from keras_autovm.model_graph import build_graph
     model = ten_convs()
     one = build_graph(model, 1)
-    limit = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 20
+    limit = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * samples
     largest_pass = profiling.timing_batch(model, 64, limit)
+    assert profile_batch.timing_batch_for(model, 64, limit)[1] > largest_pass
     mechanism = mechanisms.get()
     real = profiling.measure
 
