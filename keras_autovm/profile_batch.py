@@ -74,7 +74,10 @@ def calls_fit(model, batch_size, pass_batch, limit_bytes, graph=None):
 def largest_call_batch(model, batch_size, limit_bytes, graph=None):
     """The largest batch, up to `batch_size`, at which every layer call,
     timed alone with the temporaries a call alone makes, fits beside a pass
-    of `LEAST_PASS` under `limit_bytes`; 0 where none does."""
+    of `LEAST_PASS` under `limit_bytes` (`None`: no limit, `batch_size`);
+    0 where none does."""
+    if limit_bytes is None:
+        return batch_size
     graph = graph or build_graph(model, 1)
     need = max(_CALL_COPIES_ALONE * size + _TEMPORARY_OUTPUTS * written
                for size, written in zip(_reads_and_writes(model, graph),
@@ -107,7 +110,9 @@ def at_batch(structure, batch_size, pass_batch):
     by zeros of leading size `batch_size` (what a call is timed on); as it
     is when the two sizes are the same. A tensor that is not batched but
     whose leading size is the pass batch's is replaced too: the pass runs
-    at 2 or more (`timing_batch_for`), where such a collision is rare."""
+    at 2 or more (`timing_batch_for`), where such a collision is rare, but
+    beside calls timed at a batch of their own it runs at 2. A call that
+    then fails makes the whole profile fail (roofline estimates, warned)."""
     if batch_size == pass_batch:
         return structure
 
@@ -130,11 +135,13 @@ def timing_batch_for(model, batch_size, limit_bytes):
         return batch_size, batch_size
     graph = build_graph(model, 1)  # Once, for all.
     pass_batch = timing_batch(model, batch_size, limit_bytes, graph)
-    if not 1 < pass_batch < batch_size:
+    if pass_batch >= batch_size:
         return pass_batch, pass_batch
-    if calls_fit(model, batch_size, pass_batch, limit_bytes, graph):
+    if pass_batch > 1 and calls_fit(model, batch_size, pass_batch, limit_bytes, graph):
         return pass_batch, batch_size
-    time_at = largest_call_batch(model, batch_size, limit_bytes, graph)
-    if time_at > pass_batch:
+    # Even where the largest pass is 1 (no fixed part can be fitted there).
+    time_at = (largest_call_batch(model, batch_size, limit_bytes, graph)
+               if batch_size > LEAST_PASS else 0)
+    if time_at > max(pass_batch, LEAST_PASS):
         return LEAST_PASS, time_at
     return pass_batch, pass_batch

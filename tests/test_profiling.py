@@ -444,9 +444,9 @@ def test_a_cached_profile_of_another_format_is_measured_again(cache):
 
 
 
-def ten_convs():
+def ten_convs(n=10):
     return keras.Sequential([keras.Input((16, 16, 3))] + [
-        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(10)] + [
+        keras.layers.Conv2D(8, 3, padding="same", name=f"c{i}") for i in range(n)] + [
         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
 
 
@@ -507,7 +507,11 @@ def test_calls_too_large_for_the_training_batch_are_timed_at_the_largest_that_fi
     pass_batch, time_at = profile_batch.timing_batch_for(model, 64, limit)
     assert not profile_batch.calls_fit(model, 64, largest_pass, limit)
     assert pass_batch == profile_batch.LEAST_PASS and largest_pass < time_at < 64
-    assert time_at == profile_batch.largest_call_batch(model, 64, limit)
+    # Beside a pass of 2, 18 samples' outputs of room; a convolution's
+    # call alone needs 2 x (input + output) + 8 outputs: 12 outputs.
+    output = 16 * 16 * 8 * 4
+    room = limit - one.persistent_bytes - 2 * sum(t.nbytes for t in one.tensors)
+    assert time_at == room // (12 * output) == 15
     # Where the limit is one sample's worth less, so is the batch.
     assert profile_batch.largest_call_batch(model, 64, limit - 10**5) < time_at
     mechanism = mechanisms.get()
@@ -520,6 +524,20 @@ def test_calls_too_large_for_the_training_batch_are_timed_at_the_largest_that_fi
     assert batches[:half] == [{time_at}] * half
     assert batches[half:] == [{time_at // 2}] * half
     assert profile.layers[0].output_bytes == time_at * 16 * 16 * 8 * 4
+
+
+def test_calls_are_timed_at_a_batch_of_their_own_where_the_largest_pass_is_one():
+    """A pass of 1 fits no fixed part; beside a pass of 2, calls at 3 do."""
+    from keras_autovm import profile_batch
+    from keras_autovm.model_graph import build_graph
+    model = ten_convs(40)
+    one = build_graph(model, 1)
+    limit = one.persistent_bytes + sum(t.nbytes for t in one.tensors) * 3
+    assert profiling.timing_batch(model, 64, limit) == 1
+    assert profile_batch.timing_batch_for(model, 64, limit) == (2, 3)
+    # Calls no larger than the pass: nothing to gain.
+    assert profile_batch.timing_batch_for(model, 64, limit - 10**5) == (1, 1)
+    assert profile_batch.timing_batch_for(model, 2, limit) == (1, 1)
 
 
 @pytest.mark.parametrize("samples", [100, 20])

@@ -1,6 +1,7 @@
 """TensorFlow: each tight plan's first step measured; undone and run again
-under a new plan when it ran out of memory, kept when it ran within the
-budget, followed by a new plan when it ran over the budget
+under a new plan when it ran out of memory, kept when it ran within its
+limit (the budget less the headroom), followed by a new plan when it ran
+over it
 (keras_autovm/mechanisms/tensorflow/first_step.py). Measured here on the
 CPU's allocator, which counts what it hands out as a GPU's does (tensors of
 a few KiB aside)."""
@@ -361,6 +362,8 @@ def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
     assert callback._runtime.stats["first_step_replans"] == on_cpu.RETRIES
     kept = [s for s in said if f"Kept: over its limit after {on_cpu.RETRIES} replans" in s]
     assert len(kept) == 1
+    # Kept, not measured again, and no fallback: it did not run within its limit.
+    assert callback._runtime.fitted_plans == {}
 
 
 def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
@@ -395,15 +398,23 @@ def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypa
     assert text.count("The smallest feasible budget is") == 1
 
 
-def test_no_plan_after_running_out_of_memory_goes_back_to_one_that_ran(
-        on_cpu, monkeypatch, said):
+@pytest.mark.parametrize("second", ["out of memory", "over its limit"])
+def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
+        on_cpu, monkeypatch, said, second):
     """The second epoch's plan (made with a larger overhead, as a replan at
-    an epoch's end is) runs out of memory and no plan fits what it showed:
-    the plan measured within the budget in the first epoch comes back."""
+    an epoch's end is) runs out of memory, or runs over its limit, and no
+    plan fits what it showed: the plan measured within its limit in the
+    first epoch comes back."""
     from keras_autovm import oom
     from keras_autovm import patches as patches_lib
-    monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 10.0)
-    seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 2)
+    budget = tight_budget()
+    if second == "out of memory":
+        monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 10.0)
+        seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 2)
+    else:
+        monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+        seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+                     budget if n == 2 else plan.result.peak_bytes)
 
     autovm = []
     real_init = keras_autovm.AutoVM.__init__
@@ -419,10 +430,11 @@ def test_no_plan_after_running_out_of_memory_goes_back_to_one_that_ran(
             runtime.replace(runtime.plans.plan(8))
             patches_lib.retrace(self.model, autovm[0]._patches, runtime)
 
-    model, callback = train(policy="auto", budget=tight_budget(), epochs=2,
+    model, callback = train(policy="auto", budget=budget, epochs=2,
                             callbacks=[Replan()])
     assert len(seen) == 2 and seen[1].actions != seen[0].actions
-    assert callback._runtime.stats["out_of_memory_replans"] == 1
+    counter = "out_of_memory_replans" if second == "out of memory" else "first_step_replans"
+    assert callback._runtime.stats[counter] == 1
     assert any("back to the plan measured within its limit" in line for line in said)
     assert callback._runtime.current.plan.actions == seen[0].actions
     assert int(model.optimizer.iterations) == 2 * STEPS

@@ -35,7 +35,9 @@ step compiles and is not timed:
   allocator's limit (`Mechanism.fills_allocator`): the step stands, the
   overhead (measured peak over predicted) is learnt, the batch size is
   replanned, and the next step runs under the new plan, measured in its
-  turn; where no plan fits, the `PlanError` is the user's. A step within
+  turn; where no plan fits, the last plan measured within its limit for
+  the batch size comes back, or, without one, the `PlanError` is the
+  user's. A step within
   the budget but over its limit is not kept: on an H200, ResNet-152's at
   batch 264 (8 GiB cap) peaked 1.8 KB and, with 5% headroom, 45 MB short
   of the cap, and each time the third step ran out of memory; another
@@ -155,19 +157,23 @@ class FirstSteps:
     def _ran(self, plan, peak, logs):
         """A measured step that ran: kept within its limit (the budget less
         the headroom), else replanned for the next step; where no plan fits
-        what it showed, the `PlanError` is the user's."""
+        what it showed, the last plan measured within its limit for the
+        batch size comes back, or, without one, the `PlanError` is the
+        user's."""
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
         full = runtime.mechanism.fills_allocator(peak)
-        if (peak <= plans.headroom_limit and not full) or self.replans == RETRIES:
-            if peak > plans.headroom_limit:
-                _learn(plans, plan, peak)
-                runtime.warn(
-                    f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans)} Kept: "
-                    f"over its limit after {RETRIES} replans; plans made from now "
-                    f"on allow for a measured memory overhead of {_overhead(plans)}.")
+        if peak <= plans.headroom_limit and not full:
             self._fitted(plan)
+            return logs
+        if self.replans == RETRIES:
+            _learn(plans, plan, peak)
+            runtime.fitted_keys.add(_key(plan))  # Not measured again; no fallback.
+            runtime.warn(
+                f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans)} Kept: "
+                f"over its limit after {RETRIES} replans; plans made from now "
+                f"on allow for a measured memory overhead of {_overhead(plans)}.")
             return logs
         _learn(plans, plan, peak)
         # Within the budget is not enough: on an H200, ResNet-152's first
@@ -175,8 +181,9 @@ class FirstSteps:
         # the cap, over its limit, and the third step ran out of memory
         # (results/tensorflow/workspace/). The step stood; the next one runs
         # under the new plan.
-        self._replan(plan, _seen(plan, f"peaked at {format_bytes(peak)}, {_where(peak, full, plans)}",
-                                 plans), "first_step_replans")
+        seen = _seen(plan, f"peaked at {format_bytes(peak)}, {_where(peak, full, plans)}", plans)
+        self._replan(plan, seen, "first_step_replans",
+                     runtime.fitted_plans.get(plan.graph.batch_size))
         return logs
 
     def _fitted(self, plan):
@@ -186,7 +193,7 @@ class FirstSteps:
     def _after_out_of_memory(self, plan, error):
         """Learns from a step that ran out of memory, and replans so that the
         same batch runs again; where no plan fits, goes back to the last plan
-        measured within the budget for this batch size, if any."""
+        measured within its limit for this batch size, if any."""
         runtime, plans = self.runtime, self.runtime.plans
         if self.replans == RETRIES:
             raise error
