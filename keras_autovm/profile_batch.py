@@ -65,7 +65,7 @@ def calls_fit(model, batch_size, pass_batch, limit_bytes, graph=None):
     if limit_bytes is None:
         return True
     graph = graph or build_graph(model, 1)
-    largest = max(_reads_and_writes(model, graph))
+    largest = max(moved for moved, _ in _call_bytes(model, graph))
     workspace = max(op.workspace_bytes for op in graph.ops)
     return (_CALL_COPIES * largest * batch_size + workspace
             <= _room(graph, limit_bytes, pass_batch))
@@ -79,24 +79,21 @@ def largest_call_batch(model, batch_size, limit_bytes, graph=None):
     if limit_bytes is None:
         return batch_size
     graph = graph or build_graph(model, 1)
-    need = max(_CALL_COPIES_ALONE * size + _TEMPORARY_OUTPUTS * written
-               for size, written in zip(_reads_and_writes(model, graph),
-                                        _writes(graph)))
+    need = max(_CALL_COPIES_ALONE * moved + _TEMPORARY_OUTPUTS * written
+               for moved, written in _call_bytes(model, graph))
     return int(max(0, min(batch_size, _room(graph, limit_bytes, LEAST_PASS) // max(need, 1))))
 
 
-def _reads_and_writes(model, graph):
-    """Per op, the bytes per sample it reads and writes."""
+def _call_bytes(model, graph):
+    """Per op, `(read and written, written)`: bytes per sample."""
     sizes = {t.name: t.nbytes for t in graph.tensors}
     batch_in = sum(layer_facts.nbytes(x, 1, "input")
                    for x in internals.functional_of(model).inputs)
-    return [(sum(sizes[t] for t in op.inputs) or batch_in)
-            + sum(sizes[t] for t in op.outputs) for op in graph.ops]
-
-
-def _writes(graph):
-    sizes = {t.name: t.nbytes for t in graph.tensors}
-    return [sum(sizes[t] for t in op.outputs) for op in graph.ops]
+    calls = []
+    for op in graph.ops:
+        written = sum(sizes[t] for t in op.outputs)
+        calls.append(((sum(sizes[t] for t in op.inputs) or batch_in) + written, written))
+    return calls
 
 
 def _room(graph, limit_bytes, pass_batch):

@@ -37,12 +37,11 @@ step compiles and is not timed:
   replanned, and the next step runs under the new plan, measured in its
   turn; where no plan fits, the last plan measured within its limit for
   the batch size comes back, or, without one, the `PlanError` is the
-  user's. A step within
-  the budget but over its limit is not kept: on an H200, ResNet-152's at
-  batch 264 (8 GiB cap) peaked 1.8 KB and, with 5% headroom, 45 MB short
-  of the cap, and each time the third step ran out of memory; another
-  first step, 218 MB short, trained (results/tensorflow/rerun/,
-  results/tensorflow/workspace/).
+  user's. A step within the budget but over its limit is not kept: on an
+  H200, ResNet-152's at batch 264 (8 GiB cap) peaked 1.8 KB and, with 5%
+  headroom, 45 MB short of the cap, and each time the third step ran out
+  of memory; another first step, 218 MB short, trained
+  (results/tensorflow/rerun/, results/tensorflow/workspace/).
 
 After `RETRIES` replans, a plan over its limit is kept and said, and a
 step out of memory is the user's error. Only with `steps_per_execution=1`
