@@ -203,6 +203,10 @@ class PlanBook:
         memory_extra: measured peak less predicted peak, in bytes, where
             the mechanism learns it (TensorFlow's measured first step; see
             `plan_within`). Defaults to 0.
+        remember: called with an overhead (`memory_scale`,
+            `memory_extra`) each time `learn` raises it, and by `Runtime`
+            with the overhead of each plan it puts in force: the callback
+            keeps it for the next fit (`keras_autovm.learnt`). Or `None`.
     """
 
     model: object
@@ -215,6 +219,7 @@ class PlanBook:
     profile: object = None
     memory_scale: float = 1.0
     memory_extra: int = 0
+    remember: object = None
     _graphs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -227,6 +232,17 @@ class PlanBook:
         any learnt overhead (`memory_scale`, `memory_extra`) lowers it
         for plans."""
         return self.budget_bytes * (1 - self.headroom)
+
+    def learn(self, scale=1.0, extra=0):
+        """Raises the learnt overhead to what a measured step showed: a
+        peak `scale` times, or `extra` bytes over, its plan's prediction.
+        Plans made from then on fit whichever leaves less (`limit_for`)."""
+        scale, extra = max(self.memory_scale, scale), max(self.memory_extra, int(extra))
+        if (scale, extra) == (self.memory_scale, self.memory_extra):
+            return
+        self.memory_scale, self.memory_extra = scale, extra
+        if self.remember is not None:
+            self.remember(scale, extra)
 
     def shapes_at(self, batch_size):
         """The input shapes last planned at `batch_size` (`None` for models

@@ -18,9 +18,11 @@ from keras_autovm import budget as budget_lib
 from keras_autovm import calibration
 from keras_autovm import console as console_lib
 from keras_autovm import internals
+from keras_autovm import learnt
 from keras_autovm import mechanisms
 from keras_autovm import patches as patches_lib
 from keras_autovm import planner
+from keras_autovm import profile_cache
 from keras_autovm import profiling
 from keras_autovm import report as report_lib
 from keras_autovm import summaries
@@ -197,16 +199,52 @@ class AutoVM(keras.callbacks.Callback):
             self._target, self._budget_bytes, self._headroom, self.policy, cost,
             self._mechanism, announce=self._announce if self.verbose else None,
             profile=self.measured)
+        recalled = self._recall(plans, batch_size)
         self._runtime = Runtime(self._mechanism, plans,
                                 patches_lib.inner_layers(self._target),
                                 batch_size=batch_size, warn=self._console.warn)
+        if recalled:
+            self._runtime.stats.update(recalled_memory_scale=plans.memory_scale,
+                                       recalled_memory_extra=plans.memory_extra)
         if self._runtime.batch_size:
             # Plan now when `fit` says the batch size: a budget no plan meets
             # fails here, before anything is changed.
-            self._runtime.plan_for(self._runtime.batch_size)
+            try:
+                self._runtime.plan_for(self._runtime.batch_size)
+            except planner.PlanError as error:
+                if recalled:
+                    error.args = (f"{error.args[0]} {recalled}",)
+                raise
         self._patches = patches_lib.guard_fit(fit)
         self._applied = False
         self._summaries = _summary_writer(self.log_dir, fit.get("callbacks"))
+
+    def _recall(self, plans, batch_size):
+        """Gives `plans` the memory overhead kept by the last fit of this
+        model at this batch size, budget and policy, where its profile is
+        the cache's, and has it keep what this fit learns
+        (`keras_autovm.learnt`). Returns a sentence saying so where one
+        was kept, else `""`."""
+        self._learnt_at = None
+        if self._profile_source not in ("measured", "cache"):
+            return ""
+        path = profile_cache.learnt_path(profile_cache.cache_path(
+            self._mechanism.device_name(), self._mechanism.backend,
+            profile_cache.fingerprint(self._target), batch_size))
+        key = learnt.key(plans.budget_bytes, plans.headroom, plans.policy,
+                         getattr(self._target, "jit_compile", None))
+        self._learnt_at = path, key
+        recalled = learnt.recall(path, key)
+        plans.memory_scale, plans.memory_extra = recalled
+        plans.remember = learnt.keeper(path, key, recalled)
+        if recalled == learnt.NOTHING:
+            return ""
+        said = (f"AutoVM plans with a memory overhead of "
+                f"{planner.overhead_text(*recalled)}, kept by an earlier fit of "
+                f"this model at this batch size and budget in {path}; delete that "
+                f"file to learn it again.")
+        self._console.print(said)
+        return said
 
     def _check_feasible(self, batch_size, cost):
         """Raises the `PlanError` of a budget no plan meets before layers

@@ -62,7 +62,7 @@ def run_step(runtime, model, original, args, x):
 def _relax(runtime, applied, reason):
     plan, plans = applied.plan, runtime.plans
     device = runtime.mechanism.device_memory() or plans.budget_bytes
-    plans.memory_scale = max(plans.memory_scale, overhead_after_oom(plan, plans, device))
+    plans.learn(overhead_after_oom(plan, plans, device))
     batch = plan.graph.batch_size
     new = plans.plan(batch, plans.shapes_at(batch))  # A PlanError is the user's.
     runtime.replace(new)

@@ -92,3 +92,9 @@ def cache_path(device, backend, model_fingerprint, batch_size):
     """The cache file of one (device, backend, model, batch size)."""
     key = hashlib.sha256(f"{device}|{backend}".encode()).hexdigest()[:12]
     return os.path.join(cache_dir(), f"{backend}-{key}-{model_fingerprint}-b{batch_size}.json")
+
+
+def learnt_path(profile_path):
+    """Where fits that plan from the profile cached at `profile_path` keep
+    the memory overhead they learnt (`keras_autovm.learnt`): beside it."""
+    return profile_path[:-len(".json")] + ".learnt.json"

@@ -28,6 +28,7 @@ import keras
 
 from keras_autovm import calibration
 from keras_autovm import internals
+from keras_autovm import learnt
 from keras_autovm.mechanisms.timing import CallTime
 from keras_autovm.model_graph import call_names
 from keras_autovm.model_graph import layer_calls
@@ -37,6 +38,7 @@ from keras_autovm.model_graph import needs_input_shapes
 from keras_autovm.profile_cache import cache_path
 from keras_autovm.profile_cache import call_key
 from keras_autovm.profile_cache import fingerprint
+from keras_autovm.profile_cache import learnt_path
 from keras_autovm.profile_batch import at_batch
 from keras_autovm.profile_batch import timing_batch_for
 # `timing_batch` is part of this module's API too, and times a fallback pass.
@@ -234,6 +236,7 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                    measure(model, pass_batch // 2, mechanism, verbose=verbose))
         profile = profile.with_fixed_times(smaller)
     profile.save(path)
+    learnt.forget(learnt_path(path))  # Learnt with the profile it replaces.
     return profile, True
 
 

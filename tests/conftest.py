@@ -91,6 +91,31 @@ def profile_cache(tmp_path_factory):
         os.environ["KERAS_AUTOVM_CACHE_DIR"] = old
 
 
+def forget_learnt_overheads(path=None):
+    """Removes the memory overheads fits kept beside the profiles cached
+    in `path` (by default the cache in use; `keras_autovm.learnt`): the
+    next fit learns its own."""
+    path = path or os.environ["KERAS_AUTOVM_CACHE_DIR"]
+    for name in os.listdir(path):
+        if name.endswith(".learnt.json"):
+            os.remove(os.path.join(path, name))
+
+
+def kept_overhead(callback):
+    """The memory overhead `callback`'s fit kept for the next fit of its
+    model, batch size, budget and policy (`keras_autovm.learnt`)."""
+    from keras_autovm import learnt
+    return learnt.recall(*callback._learnt_at)
+
+
+@pytest.fixture(autouse=True)
+def no_learnt_overhead(profile_cache):
+    """The profiles are shared by the session; the memory overheads fits
+    keep beside them stay with the test that learnt them."""
+    yield
+    forget_learnt_overheads(profile_cache)
+
+
 @pytest.fixture
 def swap_small_tensors(monkeypatch):
     """torch leaves tensors under 1 MiB to autograd; the test models' are."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_autovm
-from conftest import BACKEND, data, small_cnn
+from conftest import BACKEND, data, forget_learnt_overheads, kept_overhead, small_cnn
 from keras_autovm.mechanisms.base import FILLED_WITHIN
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's first steps")
@@ -213,6 +213,7 @@ def test_a_step_out_of_memory_is_undone_replanned_and_run_again(on_cpu, monkeypa
     trained = []
     for runs in (True, False):
         monkeypatch.undo()
+        forget_learnt_overheads()  # Each fit runs out of memory once.
         monkeypatch.setattr(on_cpu, "device", lambda: "CPU:0")
         seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 1, runs=runs)
         said = []
@@ -230,6 +231,8 @@ def test_a_step_out_of_memory_is_undone_replanned_and_run_again(on_cpu, monkeypa
         assert seen[1].budget <= budget * (1 - plans.headroom) - plans.memory_extra
         assert "ran out of GPU memory" in said[0] and "Replanned" in said[0]
         assert int(model.optimizer.iterations) == STEPS
+        # The next fit starts from what this one learnt.
+        assert kept_overhead(callback) == (plans.memory_scale, plans.memory_extra)
         trained.append((weights(model), model.history_))
     for a, b in zip(trained[0][0], trained[1][0]):
         np.testing.assert_array_equal(a, b)
@@ -438,6 +441,9 @@ def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
     assert any("back to the plan measured within its limit" in line for line in said)
     assert callback._runtime.current.plan.actions == seen[0].actions
     assert int(model.optimizer.iterations) == 2 * STEPS
+    # The next fit starts from the overhead of the plan that ran, not from
+    # the one under which no plan fitted.
+    assert kept_overhead(callback) == (seen[0].memory_scale, seen[0].memory_extra)
 
 
 def dict_input_cnn(size):

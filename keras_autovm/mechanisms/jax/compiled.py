@@ -105,7 +105,7 @@ class Checks:
                 f"by its memory analysis, {ratio:.2f}x the plan's "
                 f"{format_bytes(plan.result.peak_bytes)}, over the budget less headroom.")
             self.stats["compiled_replans"] += 1
-            runtime.plans.memory_scale = max(runtime.plans.memory_scale, ratio)
+            runtime.plans.learn(ratio)
             runtime.replace(runtime.plans.plan(plan.graph.batch_size))
             applied = runtime.plan_for_inputs(args[3])
             if applied.plan.refused is not None:  # The caller raises it.

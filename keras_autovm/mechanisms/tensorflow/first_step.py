@@ -197,9 +197,8 @@ class FirstSteps:
         if self.replans == RETRIES:
             raise error
         memory = runtime.mechanism.device_memory() or plans.budget_bytes
-        plans.memory_scale = max(plans.memory_scale,
-                                 oom.overhead_after_oom(plan, plans, memory))
-        plans.memory_extra = max(plans.memory_extra, oom.extra_after_oom(plan, memory))
+        plans.learn(oom.overhead_after_oom(plan, plans, memory),
+                    oom.extra_after_oom(plan, memory))
         seen = _seen(plan, "ran out of GPU memory", plans)
         fallback = runtime.fitted_plans.get(plan.graph.batch_size)
         self._replan(plan, seen, "out_of_memory_replans", fallback)
@@ -251,8 +250,7 @@ def _learn(plans, plan, peak):
     3.03 GiB more than plans of 4.87 to 6.80 GiB predicted, 1.43x to 1.62x:
     a ratio learnt from a larger plan under-counted a smaller one by 12%,
     the bytes by 1% (results/tensorflow/trace/)."""
-    plans.memory_scale = max(plans.memory_scale, _ratio(peak, plan))
-    plans.memory_extra = max(plans.memory_extra, peak - plan.result.peak_bytes)
+    plans.learn(_ratio(peak, plan), peak - plan.result.peak_bytes)
 
 
 def _where(peak, full, plans):

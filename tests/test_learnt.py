@@ -1,0 +1,206 @@
+"""The memory overhead a fit learns is kept for the next fit of the same
+model, batch size and budget (`keras_autovm.learnt`)."""
+
+import dataclasses
+import json
+import os
+import warnings
+
+import keras
+import pytest
+from conftest import data
+from conftest import kept_overhead
+from conftest import small_cnn
+
+import keras_autovm
+from keras_autovm import learnt
+from keras_autovm import mechanisms
+from keras_autovm import profiling
+from keras_autovm.budget import PlanBook
+from keras_autovm.planner import CostModel
+from keras_autovm.profile_cache import cache_path
+from keras_autovm.profile_cache import learnt_path
+
+GIB = 2**30
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AUTOVM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+KEY = learnt.key(GIB, 0.05, "auto", False)
+
+
+def test_what_is_kept_is_recalled_under_its_key_only(tmp_path):
+    path = str(tmp_path / "m.learnt.json")
+    assert learnt.recall(path, KEY) == learnt.NOTHING
+    learnt.keep(path, KEY, 1.25, 4096)
+    other = learnt.key(2 * GIB, 0.05, "auto", False)
+    learnt.keep(path, other, 1.5, 0)
+    assert learnt.recall(path, KEY) == (1.25, 4096)
+    assert learnt.recall(path, other) == (1.5, 0)
+    for key in (learnt.key(GIB, 0.15, "auto", False), learnt.key(GIB, 0.05, "swap", False),
+                learnt.key(GIB, 0.05, "auto", True)):
+        assert learnt.recall(path, key) == learnt.NOTHING
+    learnt.forget(path)
+    learnt.forget(path)  # Nothing there: no error.
+    assert learnt.recall(path, KEY) == learnt.NOTHING
+    assert os.listdir(tmp_path) == []  # No temporary file left.
+
+
+@pytest.mark.parametrize("entry", [[0.5, 0], [1.2, -1], ["nan", 0], [1.2], "1.2"])
+def test_a_damaged_entry_recalls_nothing(tmp_path, entry):
+    path = tmp_path / "m.learnt.json"
+    path.write_text(json.dumps({"format": 1, "learnt": {KEY: entry}}))
+    assert learnt.recall(str(path), KEY) == learnt.NOTHING
+
+
+@pytest.mark.parametrize("text", [
+    "not json", json.dumps({"format": 999, "learnt": {KEY: [1.2, 0]}}),
+    json.dumps({"format": 1, "learnt": []})])
+def test_a_damaged_file_recalls_nothing(tmp_path, text):
+    path = tmp_path / "m.learnt.json"
+    path.write_text(text)
+    assert learnt.recall(str(path), KEY) == learnt.NOTHING
+
+
+def book(remember=None):
+    return PlanBook(small_cnn(), GIB, 0.05, "auto", CostModel(), mechanisms.get(),
+                    remember=remember)
+
+
+def test_a_plan_book_learns_upwards_and_tells_only_of_a_change():
+    told = []
+    plans = book(lambda *overhead: told.append(overhead))
+    plans.learn(1.2, 100)
+    plans.learn(1.1, 50)  # Less than learnt: nothing changes.
+    plans.learn(1.0, 200)
+    assert (plans.memory_scale, plans.memory_extra) == (1.2, 200)
+    assert told == [(1.2, 100), (1.2, 200)]
+
+
+def test_a_keeper_writes_what_changed(tmp_path):
+    path = str(tmp_path / "m.learnt.json")
+    remember = learnt.keeper(path, KEY, recalled=(1.1, 0))
+    remember(1.1, 0)  # What was recalled: nothing written.
+    assert not os.path.exists(path)
+    remember(1.3, 7)
+    assert learnt.recall(path, KEY) == (1.3, 7)
+    remember(1.0, 0)  # A plan made with less, put in force: kept too.
+    assert learnt.recall(path, KEY) == learnt.NOTHING
+
+
+def test_a_cache_it_cannot_write_is_said_once(tmp_path):
+    (tmp_path / "file").write_text("")
+    remember = learnt.keeper(str(tmp_path / "file" / "m.learnt.json"), KEY)
+    with pytest.warns(UserWarning, match="could not keep the memory overhead"):
+        remember(1.3, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remember(1.4, 7)
+
+
+def test_a_profile_measured_again_forgets_what_was_learnt(cache):
+    model, mechanism = small_cnn(), mechanisms.get()
+    path = learnt_path(cache_path(mechanism.device_name(), mechanism.backend,
+                                  profiling.fingerprint(model), 8))
+    learnt.keep(path, KEY, 1.2, 0)
+    _, measured = profiling.obtain(model, 8, mechanism)
+    assert measured and not os.path.exists(path)
+    learnt.keep(path, KEY, 1.2, 0)
+    _, measured = profiling.obtain(model, 8, mechanism)  # From the cache.
+    assert not measured and learnt.recall(path, KEY) == (1.2, 0)
+
+
+def fit(callback):
+    keras.utils.set_random_seed(7)
+    model = small_cnn()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = data(16)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    return callback
+
+
+def autovm(**kwargs):
+    kwargs.setdefault("budget", "1GiB")
+    return keras_autovm.AutoVM(verbose=0, apply_without_gpu=True, **kwargs)
+
+
+def test_the_next_fit_plans_with_what_a_fit_learnt(cache):
+    first = fit(autovm())
+    plans = first._runtime.plans
+    assert (plans.memory_scale, plans.memory_extra) == learnt.NOTHING
+    plans.learn(1.25, 3 * 2**20)  # As a measured step over its plan would.
+    assert kept_overhead(first) == (1.25, 3 * 2**20)
+    second = fit(autovm())
+    assert (second.plan.memory_scale, second.plan.memory_extra) == (1.25, 3 * 2**20)
+    assert second.report.stats["recalled_memory_scale"] == 1.25
+    for other in (autovm(budget="2GiB"), autovm(policy="sqrt_recompute")):
+        fit(other)  # Another budget or policy learnt nothing.
+        assert (other.plan.memory_scale, other.plan.memory_extra) == learnt.NOTHING
+        assert "recalled_memory_scale" not in other.report.stats
+
+
+def test_with_no_profile_or_a_given_one_nothing_is_kept(cache):
+    first = fit(autovm())  # Its profile is the cache's from now on.
+    for setting in (None, first.measured):
+        fit(autovm(profile=setting))._runtime.plans.learn(1.25, 0)
+    assert not [n for n in os.listdir(cache) if n.endswith(".learnt.json")]
+    assert fit(autovm()).plan.memory_scale == 1.0
+
+
+def test_an_overhead_no_plan_meets_fails_before_training_and_says_whence(cache):
+    first = fit(autovm())
+    first._runtime.plans.learn(1.0, 2 * GIB)  # More than the whole budget.
+    with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit") as caught:
+        fit(autovm())
+    assert ".learnt.json; delete that file" in str(caught.value)
+
+
+def test_an_epoch_that_peaked_over_its_plan_is_kept(cache, monkeypatch):
+    callback = autovm()
+    mechanism = type(mechanisms.get())
+    with monkeypatch.context() as patch:  # Each epoch peaks 1.2x its plan.
+        patch.setattr(mechanism, "reset_peak", lambda self: True)
+        patch.setattr(mechanism, "peak_memory",
+                      lambda self: int(callback.plan.result.peak_bytes * 1.2))
+        fit(callback)
+    scale = callback._runtime.plans.memory_scale
+    assert scale == pytest.approx(1.2, rel=0.01)
+    assert fit(autovm()).plan.memory_scale == scale
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_what_is_kept_is_the_overhead_of_the_plan_in_force(cache, monkeypatch, faster):
+    """An epoch that peaked 1.5x its plan, within the budget: a replan made
+    with that overhead and predicted slower is declined (`AutoVM._stayed`),
+    and the plan that stays keeps its own overhead for the next fit."""
+    callback = fit(autovm())
+    plan, plans = callback.plan, callback._runtime.plans
+    first, action = next(iter(plan.actions.items()))
+    actions = dict(plan.actions, **{first: "keep" if action != "keep" else "recompute"})
+    step = plan.result.step_time * (0.5 if faster else 2)
+    new = dataclasses.replace(plan, actions=actions, memory_scale=1.5,
+                              result=dataclasses.replace(plan.result, step_time=step))
+    with monkeypatch.context() as patch:
+        patch.setattr(plans, "plan", lambda batch_size: new)
+        patch.setattr(keras_autovm.callback.patches_lib, "retrace", lambda *args: None)
+        callback._calibrate(None, int(plan.result.peak_bytes * 1.5), plan)
+    assert plans.memory_scale == pytest.approx(1.5)
+    assert callback._runtime.stats.get("replans_declined", 0) == (not faster)
+    assert kept_overhead(callback) == ((1.5, 0) if faster else learnt.NOTHING)
+
+
+def test_a_replan_that_fails_keeps_nothing(cache, monkeypatch):
+    callback = fit(autovm())
+
+    def fail(batch_size):
+        raise keras_autovm.PlanError("no plan", 1)
+
+    monkeypatch.setattr(callback._runtime.plans, "plan", fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback._calibrate(None, int(callback.plan.result.peak_bytes * 1.5), callback.plan)
+    assert kept_overhead(callback) == learnt.NOTHING
