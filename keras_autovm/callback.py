@@ -161,7 +161,7 @@ class AutoVM(keras.callbacks.Callback):
         # Allow reuse across fit calls.
         self._runtime, self._patches, self._shown = None, None, set()
         self._times, self._forwards, self._epochs, self._last = [], [], [], None
-        self._summaries = None
+        self._summaries, self._learnt_at = None, None
         self._console = console_lib.Console(self.verbose)
         self._console.fit_begins(self.params)
         self._mechanism = mechanisms.get()
@@ -308,6 +308,10 @@ class AutoVM(keras.callbacks.Callback):
         peak = record["peak_bytes"] if self._peak_resets else None
         if self._calibrate(measured, peak, plan, forward):
             record["replanned"] = True
+        if self._runtime.plans.remember is not None:
+            # What the plan in force was made with (a plan kept after the
+            # first step's retries was made with less than was learnt).
+            self._runtime.plans.remember(self.plan.memory_scale, self.plan.memory_extra)
         self._times, self._forwards = [], []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30

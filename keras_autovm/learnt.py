@@ -12,11 +12,13 @@ a fit learns is kept beside the model's cached profile (`key`), and the
 next fit of the same model at the same batch size, budget and policy on
 the same device plans with it from its first plan.
 
-What is kept is the overhead the plan in force was made with, each time
-a plan is put in force (`Runtime`), or what the fit learnt where it then
-found no plan and stopped: a fit that went back to a plan made with less
-keeps that plan's. A profile measured again starts with none
-(`profiling.obtain` forgets it). No framework imports.
+What is kept is the overhead the plan in force (the full batch's) was
+made with, each time a plan is put in force (`Runtime`) and at each
+epoch's end, or what the fit learnt where it then found no plan and
+stopped: a fit that went back to a plan made with less keeps that plan's.
+A model with no profile cached starts with none (`profiling.obtain`
+forgets it); one whose profile is measured again at a larger batch keeps
+it. No framework imports.
 """
 
 import json
@@ -51,7 +53,7 @@ def recall(path, key):
     try:
         scale, extra = _entries(path)[key]
         scale, extra = float(scale), int(extra)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return NOTHING
     if not (math.isfinite(scale) and scale >= 1.0 and extra >= 0):
         return NOTHING

@@ -203,6 +203,8 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                       fingerprint(model), batch_size)
     names = [name for name, _ in call_names(model)]
     cached = _cached(path)
+    if cached is None:  # A new profile: what fits kept with the old one goes.
+        learnt.forget(learnt_path(path))
     pass_batch, time_at = timing_batch_for(model, batch_size, limit_bytes)
     # A profile timed at a smaller batch (a tighter budget then) is
     # measured again when this fit can time a larger one.
@@ -236,7 +238,6 @@ def obtain(model, batch_size, mechanism, verbose=0, limit_bytes=None):
                    measure(model, pass_batch // 2, mechanism, verbose=verbose))
         profile = profile.with_fixed_times(smaller)
     profile.save(path)
-    learnt.forget(learnt_path(path))  # Learnt with the profile it replaces.
     return profile, True
 
 

@@ -50,7 +50,7 @@ def test_what_is_kept_is_recalled_under_its_key_only(tmp_path):
     assert os.listdir(tmp_path) == []  # No temporary file left.
 
 
-@pytest.mark.parametrize("entry", [[0.5, 0], [1.2, -1], ["nan", 0], [1.2], "1.2"])
+@pytest.mark.parametrize("entry", [[0.5, 0], [1.2, -1], ["nan", 0], [1.2, "inf"], [1.2], "1.2"])
 def test_a_damaged_entry_recalls_nothing(tmp_path, entry):
     path = tmp_path / "m.learnt.json"
     path.write_text(json.dumps({"format": 1, "learnt": {KEY: entry}}))
@@ -92,6 +92,18 @@ def test_a_keeper_writes_what_changed(tmp_path):
     assert learnt.recall(path, KEY) == learnt.NOTHING
 
 
+def test_a_last_partial_batch_keeps_the_full_batchs_overhead(cache):
+    """After a replan was declined the book's overhead is above that of
+    the plan in force; a last partial batch planned then is made with it,
+    and is not what the next fit starts from."""
+    callback = fit(autovm())
+    runtime, told = callback._runtime, []
+    runtime.plans.memory_scale = 1.5
+    runtime.plans.remember = lambda *overhead: told.append(overhead)
+    assert runtime.plan_for(4).plan.memory_scale == 1.5
+    assert told == [(1.0, 0)]
+
+
 def test_a_cache_it_cannot_write_is_said_once(tmp_path):
     (tmp_path / "file").write_text("")
     remember = learnt.keeper(str(tmp_path / "file" / "m.learnt.json"), KEY)
@@ -112,6 +124,22 @@ def test_a_profile_measured_again_forgets_what_was_learnt(cache):
     learnt.keep(path, KEY, 1.2, 0)
     _, measured = profiling.obtain(model, 8, mechanism)  # From the cache.
     assert not measured and learnt.recall(path, KEY) == (1.2, 0)
+
+
+def test_a_profile_measured_again_at_a_larger_batch_keeps_it(cache):
+    """Timed at a smaller batch under a tighter limit, then again with
+    room: the model is the same, and so is what its steps showed."""
+    from keras_autovm.model_graph import build_graph
+    model, mechanism = small_cnn(), mechanisms.get()
+    one = build_graph(model, 1)
+    tight = one.persistent_bytes + 2 * sum(t.nbytes for t in one.tensors) * 3
+    path = learnt_path(cache_path(mechanism.device_name(), mechanism.backend,
+                                  profiling.fingerprint(model), 8))
+    first, _ = profiling.obtain(model, 8, mechanism, limit_bytes=tight)
+    learnt.keep(path, KEY, 1.2, 0)
+    roomy, measured = profiling.obtain(model, 8, mechanism)
+    assert measured and roomy.batch_size > first.batch_size
+    assert learnt.recall(path, KEY) == (1.2, 0)
 
 
 def fit(callback):

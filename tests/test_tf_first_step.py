@@ -7,6 +7,7 @@ CPU's allocator, which counts what it hands out as a GPU's does (tensors of
 a few KiB aside)."""
 
 import collections
+import os
 
 import keras
 import numpy as np
@@ -353,6 +354,10 @@ def test_a_plan_over_its_limit_is_no_fallback_after_running_out(
     with pytest.raises(keras_autovm.PlanError, match="ran out of GPU memory"):
         train(policy="auto", budget=cap_at_budget)
     assert len(seen) == 2
+    # What it learnt is kept: the next fit is refused before any step.
+    with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit"):
+        train(policy="auto", budget=cap_at_budget)
+    assert len(seen) == 2
 
 
 def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
@@ -367,6 +372,11 @@ def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
     assert len(kept) == 1
     # Kept, not measured again, and no fallback: it did not run within its limit.
     assert callback._runtime.fitted_plans == {}
+    # The next fit starts from what this plan was made with, not from what
+    # its last step taught after it.
+    plan = callback.plan
+    assert plan.memory_scale < callback._runtime.plans.memory_scale
+    assert kept_overhead(callback) == (plan.memory_scale, plan.memory_extra)
 
 
 def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
@@ -443,6 +453,7 @@ def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
     assert int(model.optimizer.iterations) == 2 * STEPS
     # The next fit starts from the overhead of the plan that ran, not from
     # the one under which no plan fitted.
+    assert os.path.exists(callback._learnt_at[0])
     assert kept_overhead(callback) == (seen[0].memory_scale, seen[0].memory_extra)
 
 
