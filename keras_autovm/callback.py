@@ -234,9 +234,7 @@ class AutoVM(keras.callbacks.Callback):
         key = learnt.key(plans.budget_bytes, plans.headroom, plans.policy,
                          getattr(self._target, "jit_compile", None))
         self._learnt_at = path, key
-        recalled = learnt.recall(path, key)
-        plans.memory_scale, plans.memory_extra = recalled
-        plans.remember = learnt.keeper(path, key, recalled)
+        recalled = learnt.attach(plans, path, key)
         if recalled == learnt.NOTHING:
             return ""
         said = (f"AutoVM plans with a memory overhead of "

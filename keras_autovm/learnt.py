@@ -76,11 +76,21 @@ def keep(path, key, memory_scale, memory_extra):
 
 
 def forget(path):
-    """Removes what was kept at `path`: its profile was measured again."""
+    """Removes what was kept at `path`: no profile was cached beside it."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def attach(plans, path, key):
+    """Gives `plans` (a `PlanBook`) the overhead kept at `path` under `key`,
+    and a `remember` that keeps what it learns there; returns the
+    overhead recalled (`NOTHING` for none)."""
+    recalled = recall(path, key)
+    plans.memory_scale, plans.memory_extra = recalled
+    plans.remember = keeper(path, key, recalled)
+    return recalled
 
 
 def keeper(path, key, recalled=NOTHING):
