@@ -203,10 +203,10 @@ class PlanBook:
         memory_extra: measured peak less predicted peak, in bytes, where
             the mechanism learns it (TensorFlow's measured first step; see
             `plan_within`). Defaults to 0.
-        remember: called with an overhead (`memory_scale`,
-            `memory_extra`) each time `learn` raises it, and by `Runtime`
-            with the overhead of each plan it puts in force: the callback
-            keeps it for the next fit (`keras_autovm.learnt`). Or `None`.
+        remember: called with the overhead learnt (`memory_scale`,
+            `memory_extra`) by `keep_learnt`, when the fit stops for want
+            of memory: the callback keeps it for the next fit
+            (`keras_autovm.learnt`). Or `None`.
     """
 
     model: object
@@ -237,12 +237,14 @@ class PlanBook:
         """Raises the learnt overhead to what a measured step showed: a
         peak `scale` times, or `extra` bytes over, its plan's prediction.
         Plans made from then on fit whichever leaves less (`limit_for`)."""
-        scale, extra = max(self.memory_scale, scale), max(self.memory_extra, int(extra))
-        if (scale, extra) == (self.memory_scale, self.memory_extra):
-            return
-        self.memory_scale, self.memory_extra = scale, extra
+        self.memory_scale = max(self.memory_scale, scale)
+        self.memory_extra = max(self.memory_extra, int(extra))
+
+    def keep_learnt(self):
+        """Gives `remember` the overhead learnt: the fit stops for want of
+        memory, and the next one starts from it."""
         if self.remember is not None:
-            self.remember(scale, extra)
+            self.remember(self.memory_scale, self.memory_extra)
 
     def shapes_at(self, batch_size):
         """The input shapes last planned at `batch_size` (`None` for models

@@ -216,6 +216,7 @@ class AutoVM(keras.callbacks.Callback):
                     error.args = (f"{error.args[0]} {recalled}",)
                 raise
         self._patches = patches_lib.guard_fit(fit)
+        self._patches.on_close(learnt.on_stop(self._runtime.plans))
         self._applied = False
         self._summaries = _summary_writer(self.log_dir, fit.get("callbacks"))
 
@@ -306,10 +307,6 @@ class AutoVM(keras.callbacks.Callback):
         peak = record["peak_bytes"] if self._peak_resets else None
         if self._calibrate(measured, peak, plan, forward):
             record["replanned"] = True
-        if self._runtime.plans.remember is not None:
-            # What the plan in force was made with (a plan kept after the
-            # first step's retries was made with less than was learnt).
-            self._runtime.plans.remember(self.plan.memory_scale, self.plan.memory_extra)
         self._times, self._forwards = [], []
         if logs is not None and record["peak_bytes"] is not None:
             logs["autovm_peak_gib"] = record["peak_bytes"] / 2**30

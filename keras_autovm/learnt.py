@@ -1,21 +1,28 @@
-"""The memory overhead fits learnt, kept on disk for the next fit.
+"""The memory overhead a fit learnt before it found no plan, kept on disk
+for the next fit.
 
 A measured step that peaks over its plan teaches an overhead
 (`PlanBook.learn`): TensorFlow's measured first step, a step that ran out
 of memory, XLA's figure for a compiled step, an epoch's peak (the
-callback's calibration). Each fit used to learn it
-again: on an H200 under an 8 GiB cap, ResNet-152 at batch 264 with its
-profile cached replanned twice after first steps over their limit, each
-replan tracing the step again, and VGG-19 at 100 ran out of memory in its
-first step in each of two fits (results/tensorflow/timing_batch/). So what
-a fit learns is kept beside the model's cached profile (`key`), and the
-next fit of the same model at the same batch size, budget and policy on
-the same device plans with it from its first plan.
+callback's calibration). Where what a fit learnt leaves no plan, `fit`
+stops with a `PlanError`, often minutes in: on an H200 under an 8 GiB cap,
+VGG-19 at batch 100 ran out of memory in its first step and was refused in
+each of three fits (results/tensorflow/timing_batch/,
+results/tensorflow/kept_overhead/). So that overhead is kept beside the
+model's cached profile (`key`), and the next fit of the same model at the
+same batch size, budget and policy on the same device plans with it from
+its first plan: refused in `on_train_begin`, in seconds, where it leaves
+no plan.
 
-What is kept is the overhead the plan in force (the full batch's) was
-made with, each time a plan is put in force (`Runtime`) and at each
-epoch's end, or what the fit learnt where it then found no plan and
-stopped: a fit that went back to a plan made with less keeps that plan's.
+Only a fit that stopped so keeps anything. A fit that trains leaves the
+file as it found it, so the next fit takes the same path: on the same
+GPU, VGG-19 at 96 trained after its first step peaked over its plan and
+was replanned, and the next fit, planning with that overhead from its
+first step, ran its smaller plan first and ran out of memory there
+(results/tensorflow/kept_overhead/; why a process's first step needs
+more was not traced: it also tries cuDNN's algorithms, whose scratch
+takes what memory is free).
+
 A model with no profile cached starts with none (`profiling.obtain`
 forgets it); one whose profile is measured again at a larger batch keeps
 it. No framework imports.
@@ -25,6 +32,8 @@ import json
 import math
 import os
 import warnings
+
+from keras_autovm.planner import PlanError
 
 _FORMAT = 1
 NOTHING = (1.0, 0)
@@ -85,12 +94,22 @@ def forget(path):
 
 def attach(plans, path, key):
     """Gives `plans` (a `PlanBook`) the overhead kept at `path` under `key`,
-    and a `remember` that keeps what it learns there; returns the
+    and a `remember` that keeps an overhead there (`PlanBook.keep_learnt`); returns the
     overhead recalled (`NOTHING` for none)."""
     recalled = recall(path, key)
     plans.memory_scale, plans.memory_extra = recalled
     plans.remember = keeper(path, key, recalled)
     return recalled
+
+
+def on_stop(plans):
+    """For `Patches.on_close`: keeps the overhead `plans` (a `PlanBook`)
+    learnt where the fit stopped because no plan fit what it learnt
+    (a `PlanError`), else nothing (see the module's docstring)."""
+    def stopped(error):
+        if isinstance(error, PlanError):
+            plans.keep_learnt()
+    return stopped
 
 
 def keeper(path, key, recalled=NOTHING):

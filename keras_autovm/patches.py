@@ -40,6 +40,7 @@ class Patches:
     def __init__(self):
         self._undo = []
         self.closed = False
+        self.error = None  # The exception that closed them (`guarded`).
 
     def set(self, obj, name, value):
         """Sets `obj.<name> = value`, recording how to put it back."""
@@ -59,6 +60,12 @@ class Patches:
         self._undo.append(lambda: context.__exit__(None, None, None))
         return value
 
+    def on_close(self, fn):
+        """Calls `fn(error)` at `close()`, in its turn among the changes:
+        `error` is the exception that closed these patches through a
+        `guarded` call, or `None` (`fit` ended)."""
+        self._undo.append(lambda: fn(self.error))
+
     def close(self):
         """Undoes every change, newest first. Safe to call again."""
         self.closed = True
@@ -75,6 +82,7 @@ class Patches:
                 return fn(*args, **kwargs)
             except BaseException as error:
                 if not internals.ends_epoch(error):
+                    self.error = self.error or error
                     self.close()
                 raise
         return call

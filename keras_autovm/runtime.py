@@ -130,9 +130,6 @@ class Runtime:
         self._applied[key] = AppliedPlan(plan, runnable=self._layers)
         # Reports show the plan of the full batch, not of a last partial one.
         self.current = self._applied[max(self._applied, key=lambda k: k[0])]
-        if self.plans.remember is not None:  # For the next fit to start from.
-            self.plans.remember(self.current.plan.memory_scale,
-                                self.current.plan.memory_extra)
 
     def call(self, wrapper, inputs, args, kwargs, training):
         """Runs `wrapper`'s layer in training, applying the plan."""

@@ -71,14 +71,17 @@ def book(remember=None):
                     remember=remember)
 
 
-def test_a_plan_book_learns_upwards_and_tells_only_of_a_change():
+def test_a_plan_book_learns_upwards_and_tells_only_when_asked_to_keep():
     told = []
     plans = book(lambda *overhead: told.append(overhead))
     plans.learn(1.2, 100)
     plans.learn(1.1, 50)  # Less than learnt: nothing changes.
     plans.learn(1.0, 200)
     assert (plans.memory_scale, plans.memory_extra) == (1.2, 200)
-    assert told == [(1.2, 100), (1.2, 200)]
+    assert told == []
+    plans.keep_learnt()
+    assert told == [(1.2, 200)]
+    book().keep_learnt()  # No `remember`: nothing to tell.
 
 
 def test_a_keeper_writes_what_changed(tmp_path):
@@ -88,20 +91,17 @@ def test_a_keeper_writes_what_changed(tmp_path):
     assert not os.path.exists(path)
     remember(1.3, 7)
     assert learnt.recall(path, KEY) == (1.3, 7)
-    remember(1.0, 0)  # A plan made with less, put in force: kept too.
+    remember(1.0, 0)  # Less than before: the last writer wins.
     assert learnt.recall(path, KEY) == learnt.NOTHING
 
 
-def test_a_last_partial_batch_keeps_the_full_batchs_overhead(cache):
-    """After a replan was declined the book's overhead is above that of
-    the plan in force; a last partial batch planned then is made with it,
-    and is not what the next fit starts from."""
+def test_putting_a_plan_in_force_keeps_nothing(cache):
     callback = fit(autovm())
     runtime, told = callback._runtime, []
     runtime.plans.memory_scale = 1.5
     runtime.plans.remember = lambda *overhead: told.append(overhead)
     assert runtime.plan_for(4).plan.memory_scale == 1.5
-    assert told == [(1.0, 0)]
+    assert told == []
 
 
 def test_a_cache_it_cannot_write_is_said_once(tmp_path):
@@ -142,12 +142,35 @@ def test_a_profile_measured_again_at_a_larger_batch_keeps_it(cache):
     assert learnt.recall(path, KEY) == (1.2, 0)
 
 
-def fit(callback):
+def fit(callback, *others):
     keras.utils.set_random_seed(7)
     model = small_cnn()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     x, y = data(16)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback, *others])
+    return callback
+
+
+class Stops(keras.callbacks.Callback):
+    """After the first step, has `autovm` learn `overhead` and stop the fit
+    with `error`, as a replan that finds no plan for what a step showed
+    does (the training function and the hooks are guarded alike)."""
+
+    def __init__(self, autovm, overhead=(1.25, 3 * 2**20), error=None):
+        super().__init__()
+        self.autovm, self.overhead = autovm, overhead
+        self.error = error or keras_autovm.PlanError("No plan fits.", 1)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.autovm._runtime.plans.learn(*self.overhead)
+        raise self.error
+
+
+def stopped(callback, **kwargs):
+    """`callback` after a fit that `Stops` stopped."""
+    error = kwargs.get("error")
+    with pytest.raises(type(error) if error else keras_autovm.PlanError):
+        fit(callback, Stops(callback, **kwargs))
     return callback
 
 
@@ -156,11 +179,9 @@ def autovm(**kwargs):
     return keras_autovm.AutoVM(verbose=0, apply_without_gpu=True, **kwargs)
 
 
-def test_the_next_fit_plans_with_what_a_fit_learnt(cache):
-    first = fit(autovm())
-    plans = first._runtime.plans
-    assert (plans.memory_scale, plans.memory_extra) == learnt.NOTHING
-    plans.learn(1.25, 3 * 2**20)  # As a measured step over its plan would.
+def test_the_next_fit_plans_with_what_a_fit_that_found_no_plan_learnt(cache):
+    first = stopped(autovm())
+    assert first._patches.closed and isinstance(first._patches.error, keras_autovm.PlanError)
     assert kept_overhead(first) == (1.25, 3 * 2**20)
     second = fit(autovm())
     assert (second.plan.memory_scale, second.plan.memory_extra) == (1.25, 3 * 2**20)
@@ -174,20 +195,46 @@ def test_the_next_fit_plans_with_what_a_fit_learnt(cache):
 def test_with_no_profile_or_a_given_one_nothing_is_kept(cache):
     first = fit(autovm())  # Its profile is the cache's from now on.
     for setting in (None, first.measured):
-        fit(autovm(profile=setting))._runtime.plans.learn(1.25, 0)
+        stopped(autovm(profile=setting))
     assert not [n for n in os.listdir(cache) if n.endswith(".learnt.json")]
     assert fit(autovm()).plan.memory_scale == 1.0
 
 
 def test_an_overhead_no_plan_meets_fails_before_training_and_says_whence(cache):
-    first = fit(autovm())
-    first._runtime.plans.learn(1.0, 2 * GIB)  # More than the whole budget.
+    stopped(autovm(), overhead=(1.0, 2 * GIB))  # More than the whole budget.
     with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit") as caught:
         fit(autovm())
     assert ".learnt.json; delete that file" in str(caught.value)
 
 
-def test_an_epoch_that_peaked_over_its_plan_is_kept(cache, monkeypatch):
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), MemoryError("host")])
+def test_a_fit_stopped_by_anything_else_keeps_nothing(cache, error):
+    assert kept_overhead(stopped(autovm(), error=error)) == learnt.NOTHING
+
+
+def test_a_fit_that_trains_leaves_what_was_kept_as_it_was(cache):
+    """It recalled 1.25x and learnt more, then trained: the next fit
+    plans as it did, from 1.25x (`keras_autovm.learnt`)."""
+    first = stopped(autovm())
+    second = autovm()
+    fit(second, Learns(second, (1.5, 0)))
+    assert second._runtime.plans.memory_scale == 1.5
+    assert kept_overhead(second) == (1.25, 3 * 2**20)
+    fresh = stopped(autovm(budget="2GiB"), overhead=(1.0, 0))  # Learnt nothing.
+    assert kept_overhead(fresh) == learnt.NOTHING and kept_overhead(first) == (1.25, 3 * 2**20)
+
+
+class Learns(keras.callbacks.Callback):
+    def __init__(self, autovm, overhead):
+        super().__init__()
+        self.autovm, self.overhead = autovm, overhead
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.autovm._runtime.plans.learn(*self.overhead)
+
+
+def test_an_epoch_that_peaked_over_its_plan_in_a_fit_that_trained_keeps_nothing(
+        cache, monkeypatch):
     callback = autovm()
     mechanism = type(mechanisms.get())
     with monkeypatch.context() as patch:  # Each epoch peaks 1.2x its plan.
@@ -195,16 +242,16 @@ def test_an_epoch_that_peaked_over_its_plan_is_kept(cache, monkeypatch):
         patch.setattr(mechanism, "peak_memory",
                       lambda self: int(callback.plan.result.peak_bytes * 1.2))
         fit(callback)
-    scale = callback._runtime.plans.memory_scale
-    assert scale == pytest.approx(1.2, rel=0.01)
-    assert fit(autovm()).plan.memory_scale == scale
+    assert callback._runtime.plans.memory_scale == pytest.approx(1.2, rel=0.01)
+    assert kept_overhead(callback) == learnt.NOTHING
+    assert fit(autovm()).plan.memory_scale == 1.0
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_what_is_kept_is_the_overhead_of_the_plan_in_force(cache, monkeypatch, faster):
+def test_a_replan_at_an_epochs_end_keeps_nothing(cache, monkeypatch, faster):
     """An epoch that peaked 1.5x its plan, within the budget: a replan made
-    with that overhead and predicted slower is declined (`AutoVM._stayed`),
-    and the plan that stays keeps its own overhead for the next fit."""
+    with that overhead, taken or declined (`AutoVM._stayed`), in a fit
+    that goes on."""
     callback = fit(autovm())
     plan, plans = callback.plan, callback._runtime.plans
     first, action = next(iter(plan.actions.items()))
@@ -218,7 +265,7 @@ def test_what_is_kept_is_the_overhead_of_the_plan_in_force(cache, monkeypatch, f
         callback._calibrate(None, int(plan.result.peak_bytes * 1.5), plan)
     assert plans.memory_scale == pytest.approx(1.5)
     assert callback._runtime.stats.get("replans_declined", 0) == (not faster)
-    assert kept_overhead(callback) == ((1.5, 0) if faster else learnt.NOTHING)
+    assert kept_overhead(callback) == learnt.NOTHING
 
 
 def test_a_replan_that_fails_keeps_nothing(cache, monkeypatch):

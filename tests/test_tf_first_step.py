@@ -232,8 +232,8 @@ def test_a_step_out_of_memory_is_undone_replanned_and_run_again(on_cpu, monkeypa
         assert seen[1].budget <= budget * (1 - plans.headroom) - plans.memory_extra
         assert "ran out of GPU memory" in said[0] and "Replanned" in said[0]
         assert int(model.optimizer.iterations) == STEPS
-        # The next fit starts from what this one learnt.
-        assert kept_overhead(callback) == (plans.memory_scale, plans.memory_extra)
+        # It trained: the next fit takes the same path (`keras_autovm.learnt`).
+        assert kept_overhead(callback) == (1.0, 0)
         trained.append((weights(model), model.history_))
     for a, b in zip(trained[0][0], trained[1][0]):
         np.testing.assert_array_equal(a, b)
@@ -372,11 +372,8 @@ def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
     assert len(kept) == 1
     # Kept, not measured again, and no fallback: it did not run within its limit.
     assert callback._runtime.fitted_plans == {}
-    # The next fit starts from what this plan was made with, not from what
-    # its last step taught after it.
-    plan = callback.plan
-    assert plan.memory_scale < callback._runtime.plans.memory_scale
-    assert kept_overhead(callback) == (plan.memory_scale, plan.memory_extra)
+    assert callback.plan.memory_scale < callback._runtime.plans.memory_scale
+    assert kept_overhead(callback) == (1.0, 0)  # It trained: nothing kept.
 
 
 def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
@@ -409,6 +406,9 @@ def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypa
     assert text.startswith("AutoVM: the first step under its plan for batch size 8 "
                            "ran out of GPU memory")
     assert text.count("The smallest feasible budget is") == 1
+    # What it learnt is kept: the next fit is refused before any step.
+    with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit"):
+        train(policy="auto", budget=tight_budget())
 
 
 @pytest.mark.parametrize("second", ["out of memory", "over its limit"])
@@ -451,10 +451,8 @@ def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
     assert any("back to the plan measured within its limit" in line for line in said)
     assert callback._runtime.current.plan.actions == seen[0].actions
     assert int(model.optimizer.iterations) == 2 * STEPS
-    # The next fit starts from the overhead of the plan that ran, not from
-    # the one under which no plan fitted.
-    assert os.path.exists(callback._learnt_at[0])
-    assert kept_overhead(callback) == (seen[0].memory_scale, seen[0].memory_extra)
+    # It trained, on the plan that ran: nothing is kept for the next fit.
+    assert not os.path.exists(callback._learnt_at[0])
 
 
 def dict_input_cnn(size):
