@@ -582,7 +582,8 @@ def main():
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
                # Environment that changes what runs (set on the command line).
                "environment": {k: os.environ[k] for k in (
-                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB", "TF_GPU_ALLOCATOR")
+                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB", "TF_GPU_ALLOCATOR",
+                   "TF_CUDNN_USE_AUTOTUNE", "KERAS_AUTOVM_CACHE_DIR")
                    if k in os.environ},
                "versions": versions(args.backend), "parts": {}}
 

@@ -163,3 +163,26 @@ def test_workspace_rule_recipe_counts_what_a_step_holds(monkeypatch):
     assert set(ruled["every_call"].values()) == {1000 + kernel}
     row = recipe.predict(model, 4, recipe.rules(model, profile)["now"], ["bn"], 1.0, [0.05])
     assert row["during_bwd_gib"]["bn"] > 0 and "auto_budget_1gib_headroom_0.05" in row
+
+
+def test_resimulation_recipe_takes_each_calls_fixed_time_off(monkeypatch):
+    """`recipes/tf_step_resimulated.py`: with the fixed times off, a call's
+    time is its part that grows with the batch, at any batch."""
+    import pytest
+
+    from keras_autovm import profiling
+
+    monkeypatch.setenv("KERAS_BACKEND", keras_backend())  # The recipe sets it as it loads.
+    recipe = _recipe(_RECIPES / "tf_step_resimulated.py")
+    layers = (profiling.LayerTime("a", 3e-3, 5e-3, 64, fwd_fixed_s=1e-3, bwd_fixed_s=1e-3),
+              profiling.LayerTime("b", 2e-3, 4e-3, 64))
+    profile = profiling.Profile("test", "tensorflow", 8, "", layers)
+    off = recipe.without_fixed(profile)
+    assert [x for t in off.layers for x in t.at(2.0)] == pytest.approx([4e-3, 8e-3] * 2)
+    assert [x for t in profile.layers for x in t.at(2.0)] == pytest.approx(
+        [5e-3, 9e-3, 4e-3, 8e-3])
+
+
+def keras_backend():
+    import keras
+    return keras.backend.backend()
