@@ -7,7 +7,7 @@ of memory, XLA's figure for a compiled step, an epoch's peak (the
 callback's calibration). Where what a fit learnt leaves no plan, `fit`
 stops with a `PlanError`, often minutes in: on an H200 under an 8 GiB cap,
 VGG-19 at batch 100 ran out of memory in its first step and was refused in
-each of three fits (results/tensorflow/timing_batch/,
+each of four fits (results/tensorflow/timing_batch/,
 results/tensorflow/kept_overhead/). So that overhead is kept beside the
 model's cached profile (`key`), and the next fit of the same model at the
 same batch size, budget and policy on the same device plans with it from
@@ -107,8 +107,13 @@ def on_stop(plans):
     learnt where the fit stopped because no plan fit what it learnt
     (a `PlanError`), else nothing (see the module's docstring)."""
     def stopped(error):
-        if isinstance(error, PlanError):
-            plans.keep_learnt()
+        while error is not None:
+            if isinstance(error, PlanError):
+                plans.keep_learnt()
+                return
+            # Keras re-raises a layer call's error as another (a
+            # `RuntimeError` for a `PlanError`), from inside its handler.
+            error = error.__cause__ or error.__context__
     return stopped
 
 

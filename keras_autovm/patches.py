@@ -62,8 +62,8 @@ class Patches:
 
     def on_close(self, fn):
         """Calls `fn(error)` at `close()`, in its turn among the changes:
-        `error` is the exception that closed these patches through a
-        `guarded` call, or `None` (`fit` ended)."""
+        `error` is the exception that closed these patches (`fail`), or
+        `None` (`fit` ended)."""
         self._undo.append(lambda: fn(self.error))
 
     def close(self):
@@ -71,6 +71,13 @@ class Patches:
         self.closed = True
         while self._undo:
             self._undo.pop()()
+
+    def fail(self, error):
+        """Closes these patches because `error` is leaving `fit`; where
+        they are open, it is the `error` that `on_close` callers see."""
+        if not self.closed:
+            self.error = error
+        self.close()
 
     def guarded(self, fn):
         """`fn`, closing these patches if it raises (other than the end of
@@ -82,8 +89,7 @@ class Patches:
                 return fn(*args, **kwargs)
             except BaseException as error:
                 if not internals.ends_epoch(error):
-                    self.error = self.error or error
-                    self.close()
+                    self.fail(error)
                 raise
         return call
 
@@ -112,8 +118,8 @@ def guard_fit(fit):
             try:
                 with original():
                     yield
-            except BaseException:
-                patches.close()
+            except BaseException as error:
+                patches.fail(error)
                 raise
 
         patches.set(iterator, "catch_stop_iteration", catch_stop_iteration)
@@ -135,8 +141,8 @@ def apply(model, runtime, mechanism, patches):
         # Validation runs inside `fit` through `model.evaluate`.
         patches.set(model, "evaluate", patches.guarded(model.evaluate))
         retrace(model, patches, runtime)
-    except BaseException:
-        patches.close()
+    except BaseException as error:
+        patches.fail(error)
         raise
     return message
 

@@ -9,9 +9,11 @@ AutoVM plans with them, and with each call's fixed time (the intercept of
 its time against the batch, `LayerTime.fwd_fixed_s`: launch and Python
 overhead of a call timed alone) taken off. Both at the time scale the
 plan was made with (where a first epoch's calibration changed it) and at
-1 (the prediction before calibration), against the step the run measured. The first row of each
-run reproduces the stored prediction, which checks that the plan was
-rebuilt as it ran. Predictions of the simulator; nothing runs on a GPU.
+1 (the prediction before calibration), against the step the run measured.
+Where the plan recorded is the one that ran, its first row reproduces the
+prediction the run recorded (`plan_ran`); where the last epoch's
+calibration replanned after the last step, the plan recorded did not run,
+and its rows are of that plan. Predictions of the simulator; nothing runs on a GPU.
 
     python recipes/tf_step_resimulated.py \\
         --run results/tensorflow/timing_batch/3233051_resnet152_280_h05.json:280:results/tensorflow/timing_batch/3233051_profile_resnet152_b280.json \\
@@ -77,12 +79,18 @@ def one(spec):
     rows = []
     for times, p in (("as planned", profile), ("fixed times off", without_fixed(profile))):
         graph = graph_for(model, plan["batch_size"], mechanisms.get(), p)
-        for scale in sorted({plan["cost"]["time_scale"], 1.0}):
+        scale_made = plan["cost"]["time_scale"]
+        for scale in [1.0] + ([scale_made] if scale_made != 1.0 else []):
             row = dict(simulated(graph, plan, scale), layer_times=times, time_scale=scale)
             row["over_measured"] = row["step_s"] / measured
             rows.append(row)
     fixed = sum(t.fwd_fixed_s + t.bwd_fixed_s for t in profile.layers)
-    return {"run": run_file, "model": name, "batch": int(batch), "profile": profile_file,
+    # The plan recorded is the one in force at the end: where the last
+    # epoch's calibration replanned after the last step, it did not run,
+    # and does not give the first prediction the run recorded.
+    first = result["predicted_step_s"]
+    ran = abs(rows[0]["step_s"] - first) <= 1e-6 * first
+    return {"run": run_file, "plan_ran": ran, "first_prediction_s": first, "model": name, "batch": int(batch), "profile": profile_file,
             "profile_batch": profile.batch_size, "fixed_s_in_profile": fixed,
             "measured_step_s": measured, "stored_prediction_s": plan["predicted"]["step_time"],
             "counts": plan["counts"], "simulated": rows}

@@ -295,6 +295,42 @@ def test_guarded_function_closes_except_at_the_end_of_data():
     assert patches.closed and not hasattr(thing, "x")
 
 
+def test_on_close_is_told_the_error_that_closed_the_patches():
+    told = []
+    patches = Patches()
+    patches.on_close(told.append)
+    patches.close()  # `fit` ended.
+    patches.fail(ValueError("after the end"))  # Closed already: not what closed them.
+    assert told == [None] and patches.error is None
+    patches, told = Patches(), []
+    patches.on_close(told.append)
+    with pytest.raises(KeyError):
+        patches.guarded(lambda: {}["x"])()
+    patches.fail(ValueError("later"))
+    assert len(told) == 1 and isinstance(told[0], KeyError) and patches.error is told[0]
+
+
+def test_a_plan_error_keras_re_raised_from_a_layer_call_is_kept(tmp_path):
+    """Keras re-raises a layer call's `PlanError` as a `RuntimeError`; what
+    the fit learnt is kept all the same (`keras_autovm.learnt.on_stop`)."""
+    from keras_autovm import learnt
+
+    told = []
+    plans = types.SimpleNamespace(keep_learnt=lambda: told.append(True))
+
+    class Plans(keras.layers.Layer):
+        def call(self, x):
+            raise keras_autovm.PlanError("No plan fits.", 1)
+
+    with pytest.raises(RuntimeError) as raised:
+        Plans()(np.zeros((1, 2), "float32"))
+    assert not isinstance(raised.value, keras_autovm.PlanError)
+    learnt.on_stop(plans)(raised.value)
+    learnt.on_stop(plans)(RuntimeError("not about plans"))
+    learnt.on_stop(plans)(None)
+    assert told == [True]
+
+
 def test_summary_is_unchanged_during_training_too():
     """The user's model keeps its own layers while AutoVM routes calls."""
     seen = []
