@@ -224,8 +224,8 @@ class AutoVM(keras.callbacks.Callback):
         """Gives `plans` the memory overhead kept by the last fit of this
         model at this batch size, budget and policy, where its profile is
         the cache's, and has it keep what this fit learnt where it stops for
-        want of a plan (`keras_autovm.learnt`). Returns a sentence saying so where one
-        was kept, else `""`."""
+        want of a plan (`keras_autovm.learnt`). Returns a sentence saying so
+        where one was kept, else `""`."""
         self._learnt_at = None
         if self._profile_source not in ("measured", "cache"):
             return ""

@@ -94,8 +94,8 @@ def forget(path):
 
 def attach(plans, path, key):
     """Gives `plans` (a `PlanBook`) the overhead kept at `path` under `key`,
-    and a `remember` that keeps an overhead there (`PlanBook.keep_learnt`); returns the
-    overhead recalled (`NOTHING` for none)."""
+    and a `remember` that keeps an overhead there (`PlanBook.keep_learnt`);
+    returns the overhead recalled (`NOTHING` for none)."""
     recalled = recall(path, key)
     plans.memory_scale, plans.memory_extra = recalled
     plans.remember = keeper(path, key, recalled)

@@ -40,7 +40,7 @@ class Patches:
     def __init__(self):
         self._undo = []
         self.closed = False
-        self.error = None  # The exception that closed them (`guarded`).
+        self.error = None  # The exception that closed them (`fail`).
 
     def set(self, obj, name, value):
         """Sets `obj.<name> = value`, recording how to put it back."""
