@@ -61,6 +61,7 @@ METHODS = ("incore", "remat", "autovm_recompute", "autovm_swap")
 SWAP_IN_AUTO = os.environ.get("SWAP_IN_AUTO") == "1"  # See auto_choosing.
 AUTOVM_KWARGS = {}  # The CPU smoke test passes apply_without_gpu=True.
 HEADROOM = [None]  # `--headroom`: AutoVM's, for every AutoVM run (None: its default).
+STEP_PEAKS = [False]  # `--step-peaks`: each step's own peak in the marks.
 
 
 # ------------------------------------------------------------ in the child
@@ -232,6 +233,8 @@ def timer(backend):
 
         def on_train_batch_begin(self, batch, logs=None):
             self.marks.append((f"begin{batch}", peak(backend)))
+            if STEP_PEAKS[0]:  # The step before it has waited for the device.
+                reset_peak(backend)
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
@@ -500,6 +503,8 @@ def spawn(args, part, model, extra=(), quiet=False):
            "--methods", args.methods] + list(extra)
     if args.headroom is not None:
         cmd += ["--headroom", str(args.headroom)]
+    if args.step_peaks:
+        cmd.append("--step-peaks")
     if "--steps" not in extra:
         cmd += ["--steps", str(args.steps)]
     start = time.time()
@@ -560,6 +565,10 @@ def main():
                         help="the batches of the `batches` part")
     parser.add_argument("--headroom", type=float, default=None,
                         help="AutoVM's headroom for every AutoVM run (default: its own)")
+    parser.add_argument("--step-peaks", action="store_true",
+                        help="reset the allocator's peak before each step, so each "
+                        "`end` mark is that step's own peak (AutoVM's measured "
+                        "steps reset it too)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--logs", default=None,
                         help="a folder for each run's whole output")
@@ -575,6 +584,7 @@ def main():
     args = parser.parse_args()
     args.predict_batches = {"vgg19": "32,64", "resnet152": "32,64"}
     HEADROOM[0] = args.headroom
+    STEP_PEAKS[0] = args.step_peaks
     if args.child:
         return child(args)
     os.environ["KERAS_BACKEND"] = args.backend

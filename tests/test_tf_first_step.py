@@ -36,6 +36,18 @@ def on_cpu(monkeypatch):
     return first_step
 
 
+def skip_warmup(first_step, monkeypatch):
+    """Every measured step judged, as in a function whose convolutions a
+    step before it tuned (`FirstSteps._warming`)."""
+    monkeypatch.setattr(first_step.FirstSteps, "_warming", lambda self: False)
+
+
+@pytest.fixture
+def tuned(on_cpu, monkeypatch):
+    skip_warmup(on_cpu, monkeypatch)
+    return on_cpu
+
+
 @pytest.fixture
 def said(monkeypatch):
     lines = []
@@ -154,10 +166,10 @@ def test_the_measured_step_is_the_function_the_fit_runs(on_cpu, monkeypatch):
     measured = []
     real_ran = on_cpu.FirstSteps._ran
 
-    def ran(self, plan, peak, logs):
+    def ran(self, plan, peak, logs, warming=False):
         measured.append((self, traced(self.function, "multi_step_on_iterator"),
                          self.runtime.untimed_steps))
-        return real_ran(self, plan, peak, logs)
+        return real_ran(self, plan, peak, logs, warming)
 
     monkeypatch.setattr(on_cpu.FirstSteps, "_ran", ran)
     model, _ = train(epochs=2)
@@ -216,6 +228,7 @@ def test_a_step_out_of_memory_is_undone_replanned_and_run_again(on_cpu, monkeypa
         monkeypatch.undo()
         forget_learnt_overheads()  # Each fit runs out of memory once.
         monkeypatch.setattr(on_cpu, "device", lambda: "CPU:0")
+        skip_warmup(on_cpu, monkeypatch)
         seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 1, runs=runs)
         said = []
         monkeypatch.setattr(keras_autovm.callback.console_lib.Console, "warn",
@@ -250,7 +263,7 @@ def test_a_step_within_its_limit_is_kept_and_learns_nothing(on_cpu, monkeypatch,
 
 
 def test_a_step_over_its_limit_within_the_budget_is_followed_by_a_new_plan(
-        on_cpu, monkeypatch, said):
+        on_cpu, monkeypatch, tuned, said):
     """The headroom is kept free of what a step measures too: on an H200 a
     first step within 0.5% of its 8 GiB cap, over its limit, was followed
     by a step that ran out of memory."""
@@ -280,7 +293,8 @@ def test_no_plan_that_fits_a_step_over_its_limit_is_a_plan_error(on_cpu, monkeyp
     assert text.count("The smallest feasible budget is") == 1
 
 
-def test_a_replan_allows_for_the_bytes_measured_over_the_plan(on_cpu, monkeypatch, said):
+def test_a_replan_allows_for_the_bytes_measured_over_the_plan(
+        on_cpu, monkeypatch, tuned, said):
     """On an H200, what a TensorFlow step used beyond its plan held in bytes
     across plans, not as a ratio (`first_step._learn`): the next plan fits
     the budget less the headroom less those bytes."""
@@ -299,7 +313,7 @@ def test_a_replan_allows_for_the_bytes_measured_over_the_plan(on_cpu, monkeypatc
     assert "whichever leaves less" in said[0]
 
 
-def test_a_step_over_the_budget_is_followed_by_a_new_plan(on_cpu, monkeypatch, said):
+def test_a_step_over_the_budget_is_followed_by_a_new_plan(on_cpu, monkeypatch, tuned, said):
     budget = tight_budget()
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
                  budget + 1 if n == 1 else plan.result.peak_bytes)
@@ -312,6 +326,77 @@ def test_a_step_over_the_budget_is_followed_by_a_new_plan(on_cpu, monkeypatch, s
     assert int(model.optimizer.iterations) == STEPS  # The first step stood.
 
 
+@pytest.mark.parametrize("second", ["within", "over"])
+def test_a_first_step_over_its_limit_is_followed_by_one_under_the_same_plan(
+        on_cpu, monkeypatch, said, second):
+    """The first step tunes cuDNN's convolutions with scratch taken where
+    memory is free: over its limit, it is not judged; the next step, under
+    the same plan, is, and only its peak is learnt from."""
+    budget = tight_budget()
+    over = lambda plan, scale: int(plan.result.peak_bytes * scale)  # noqa: E731
+    later = 1.3 if second == "over" else 1.0
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+                 over(plan, 1.4 if n == 1 else later if n == 2 else 1.0))
+    model, callback = train(policy="auto", budget=budget)
+    runtime = callback._runtime
+    assert limit_of(runtime.plans) < over(seen[0], 1.3)
+    assert seen[1] is seen[0]  # Not replanned after the first step.
+    assert runtime.stats["warmup_peak_bytes"] == over(seen[0], 1.4)
+    assert not said if second == "within" else "over its limit" in said[0]
+    if second == "within":
+        assert len(seen) == 2 and runtime.plans.memory_scale == 1
+        assert runtime.stats["first_step_peak_bytes"] == over(seen[0], 1.0)
+        assert "first_step_replans" not in runtime.stats
+    else:  # Learnt from the second step's peak, not the first's.
+        assert len(seen) == 3 and runtime.stats["first_step_replans"] == 1
+        assert runtime.plans.memory_scale == pytest.approx(1.3, rel=1e-6)
+        assert seen[2].result.peak_bytes < seen[0].result.peak_bytes
+    assert int(model.optimizer.iterations) == STEPS  # Every step stood.
+
+
+def test_a_first_step_out_of_memory_is_undone_and_run_again_under_its_plan(
+        on_cpu, monkeypatch, said):
+    """Once: where the step after it runs out of memory too, that one is
+    learnt from and replanned, as any later step."""
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n == 1)
+    model, callback = train(policy="auto", budget=budget, model_fn=dropout_cnn,
+                            optimizer=keras.optimizers.Adam(0.01))
+    runtime = callback._runtime
+    assert len(seen) == 2 and seen[1] is seen[0]
+    assert runtime.stats["warmup_reruns"] == 1 and "out_of_memory_replans" not in runtime.stats
+    assert runtime.plans.memory_scale == 1 and runtime.plans.memory_extra == 0
+    assert len(said) == 1 and "tunes its convolutions" in said[0]
+    assert "run again under the same plan" in said[0]
+    assert kept_overhead(callback) == (1.0, 0)
+    # Undone: it trains as a fit whose first step did not fail.
+    monkeypatch.setattr(on_cpu, "device", lambda: None)
+    plain, _ = train(policy="auto", budget=budget, model_fn=dropout_cnn,
+                     optimizer=keras.optimizers.Adam(0.01))
+    for a, b in zip(weights(model), weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    assert model.history_ == plain.history_
+    # Out of memory again: learnt, replanned, and the next plan runs.
+    monkeypatch.setattr(on_cpu, "device", lambda: "CPU:0")
+    seen = watch(on_cpu, monkeypatch, peak=fits, fail=lambda n: n <= 2)
+    model, callback = train(policy="auto", budget=budget)
+    assert len(seen) == 3 and seen[1] is seen[0] and seen[2].actions != seen[0].actions
+    assert callback._runtime.stats["out_of_memory_replans"] == 1
+    assert int(model.optimizer.iterations) == STEPS
+
+
+def test_under_xla_the_first_step_is_judged_as_it_ran(on_cpu, monkeypatch, said):
+    """XLA tunes as it compiles, and a step under it that runs out of
+    memory cannot be undone: no second step under the same plan."""
+    monkeypatch.setattr(on_cpu, "XLA_OVERHEAD", 0.0)  # XLA stays on.
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+                 int(plan.result.peak_bytes * (1.2 if n == 1 else 1.0)))
+    _, callback = train(policy="auto", budget=tight_budget(), jit_compile=True)
+    assert seen.jit[0] and len(seen) == 2 and seen[1].actions != seen[0].actions
+    assert callback._runtime.stats["first_step_replans"] == 1
+    assert "warmup_peak_bytes" not in callback._runtime.stats
+
+
 @pytest.fixture
 def cap_at_budget(monkeypatch):
     """The allocator's limit is the budget, as under the GPU recipes' cap."""
@@ -322,7 +407,7 @@ def cap_at_budget(monkeypatch):
 
 
 def test_a_step_that_filled_the_allocator_is_followed_by_a_new_plan(
-        on_cpu, monkeypatch, said, cap_at_budget):
+        on_cpu, monkeypatch, tuned, said, cap_at_budget):
     budget = cap_at_budget
     filled = budget - FILLED_WITHIN // 2  # Within the budget.
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
@@ -343,7 +428,7 @@ def test_where_nothing_fits_after_filling_the_allocator_it_is_a_plan_error(
 
 
 def test_a_plan_over_its_limit_is_no_fallback_after_running_out(
-        on_cpu, monkeypatch, cap_at_budget):
+        on_cpu, monkeypatch, tuned, cap_at_budget):
     """It ran, within the budget but over its limit: where the plan after it
     runs out of memory and no plan fits what that showed, the error is the
     user's, not a return to a plan that may run out later."""
@@ -361,7 +446,7 @@ def test_a_plan_over_its_limit_is_no_fallback_after_running_out(
 
 
 def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
-        on_cpu, monkeypatch, said):
+        on_cpu, monkeypatch, tuned, said):
     monkeypatch.setattr(on_cpu, "RETRIES", 1)  # The small CNN has few plans.
     budget = tight_budget()
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget + 1)
@@ -377,7 +462,7 @@ def test_over_the_budget_after_the_retries_training_goes_on_and_says_so(
 
 
 def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
-        on_cpu, monkeypatch):
+        on_cpu, monkeypatch, tuned):
     import tensorflow as tf
 
     from keras_autovm import oom
@@ -413,7 +498,7 @@ def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypa
 
 @pytest.mark.parametrize("second", ["out of memory", "over its limit"])
 def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
-        on_cpu, monkeypatch, said, second):
+        on_cpu, monkeypatch, tuned, said, second):
     """The second epoch's plan (made with a larger overhead, as a replan at
     an epoch's end is) runs out of memory, or runs over its limit, and no
     plan fits what it showed: the plan measured within its limit in the

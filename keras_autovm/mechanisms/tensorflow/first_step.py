@@ -22,7 +22,11 @@ iterator is another program: on an H200, ResNet-152's at batch 264 under
 an 8 GiB cap peaked at 7.85 and 7.91 GiB, and the iterator function's
 first step after it filled the cap; in two of three runs the step after
 that ran out of memory (results/tensorflow/rerun/). The measured
-step compiles and is not timed:
+step compiles and is not timed. The first one (without XLA) also tunes
+cuDNN's convolutions, with scratch taken wherever memory is free, so it is
+not judged where it did not run within its limit (`FirstSteps._warming`):
+over it, the next step is measured under the same plan; out of memory, it
+is undone and run again under the same plan, once. Then a measured step:
 
 - it ran out of memory: the variables are put back (metrics Keras built
   as the step was traced are reset), the overhead is learnt as on the
@@ -46,8 +50,10 @@ step compiles and is not timed:
 After `RETRIES` replans, a plan over its limit is kept and said, and a
 step out of memory is the user's error. Only with `steps_per_execution=1`
 (one batch a call). The allocator's peak is reset before each measured
-step: an epoch's peak counts from its last measured step, and the
-highest measured is `first_step_peak_bytes` in the runtime's stats.
+step: an epoch's peak counts from its last measured step, the highest
+judged is `first_step_peak_bytes` in the runtime's stats, and a first step
+not judged is `warmup_peak_bytes` (over its limit) or `warmup_reruns` (out
+of memory).
 
 A step that ran out of memory under XLA is not run again: on an H100,
 TensorFlow aborted its process when AutoVM put a variable back after one
@@ -114,6 +120,9 @@ class FirstSteps:
         self.model, self.runtime, self.function = model, runtime, function
         self.where = device()
         self.replans = 0
+        # Whether a measured step of this function has run (or run out of
+        # memory): the first one tunes cuDNN's convolutions (see `_warming`).
+        self.tuned = False
 
     def __call__(self, iterator):
         if self.where is None or not self._wanted(self.runtime.current):
@@ -135,6 +144,7 @@ class FirstSteps:
             if not self._wanted(applied):  # Another batch size, or measured.
                 return self.function(batch())
             saved = _host_copies(self.model)
+            warming = self._warming()
             try:
                 logs, peak = run_measured(self.function, batch(), self.where)
             except tf.errors.ResourceExhaustedError as raised:
@@ -145,27 +155,61 @@ class FirstSteps:
                 # iterator function on the next step too. Neither times
                 # the plan.
                 self.runtime.untimed_steps = 1 if spec is not None else 2
-                return self._ran(applied.plan, peak, logs)
+                return self._ran(applied.plan, peak, logs, warming)
             if self.model.jit_compile:
                 raise _under_xla(error) from error
             _restore(saved, self.model)
             del saved
             gc.collect()
+            if warming:  # The same plan again, its convolutions now tuned.
+                self._count("warmup_reruns")
+                self.runtime.warn(
+                    f"{_seen(applied.plan, 'ran out of GPU memory', self.runtime.plans)} "
+                    "TensorFlow tunes its convolutions in a function's first "
+                    "step, with scratch taken where memory is free: run "
+                    "again under the same plan.")
+                continue
             self._after_out_of_memory(applied.plan, error)
 
-    def _ran(self, plan, peak, logs):
+    def _warming(self):
+        """Whether the step about to be measured is this function's first,
+        not under XLA: it is not judged, for cuDNN's autotuning runs in it.
+        TensorFlow times each new convolution's algorithms in the first step
+        that runs it, with scratch of up to 4 GiB taken wherever memory is
+        free (its log shows attempts of 0.1 to 3.4 GiB it let fail, during the
+        first step). On an H200 under an 8 GiB cap, VGG-19's plan at
+        batch 96 that ran at 6.63 GiB after another step ran out of memory
+        as a process's first step, and ResNet-152's first step at 264 peaked
+        0.25 GiB over its limit (results/tensorflow/kept_overhead/). A
+        first step that runs over its limit is followed by another under the
+        same plan, measured and judged; one that runs out of memory is undone
+        and run again once. Under XLA a step out of memory cannot be undone,
+        and XLA tunes as it compiles: judged as it ran."""
+        first, self.tuned = not self.tuned, True
+        return first and not self.model.jit_compile
+
+    def _count(self, counter):
+        stats = self.runtime.stats
+        stats[counter] = stats.get(counter, 0) + 1
+
+    def _ran(self, plan, peak, logs, warming=False):
         """A measured step that ran: kept within its limit (the budget less
-        the headroom), else replanned for the next step; where no plan fits
-        what it showed, the last plan measured within its limit for the
-        batch size comes back, or, without one, the `PlanError` is the
-        user's."""
+        the headroom); else, where it was the first (`warming`), the next
+        step is measured under the same plan; else replanned for the next
+        step; where no plan fits what it showed, the last plan measured
+        within its limit for the batch size comes back, or, without one,
+        the `PlanError` is the user's."""
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
-        stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
         full = runtime.mechanism.fills_allocator(peak)
         if peak <= plans.headroom_limit and not full:
+            stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
             self._fitted(plan)
             return logs
+        if warming:  # Not kept, not judged: the next step is measured.
+            stats["warmup_peak_bytes"] = peak
+            return logs
+        stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
         if self.replans == RETRIES:
             _learn(plans, plan, peak)
             runtime.fitted_keys.add(_key(plan))  # Not measured again; no fallback.
@@ -219,7 +263,7 @@ class FirstSteps:
                                    "plan measured within its limit before.")
             runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
         self.replans += 1
-        runtime.stats[counter] = runtime.stats.get(counter, 0) + 1
+        self._count(counter)
         runtime.replace(new)
         runtime.warn(f"{seen} {said}")
         self.function = self._retraced()
