@@ -600,8 +600,11 @@ def main():
     def save():
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
+            # Whole or not at all: a run cut off by the device's time limit
+            # leaves the last complete file.
+            with open(args.out + ".part", "w") as f:
                 json.dump(results, f, indent=1)
+            os.replace(args.out + ".part", args.out)
 
     parts = args.parts.split(",")
     if "equivalence" in parts:
