@@ -50,6 +50,9 @@ class Runtime:
         self.fitted_keys = set()
         self.fitted_plans = {}
         self.untimed_steps = 0
+        # Batch sizes whose first measured step ran (or ran out of memory)
+        # without XLA: cuDNN has tuned their convolutions.
+        self.tuned = set()
         # Whether a step was left as Keras runs it (see `plan_for_inputs`).
         self.declined = False
         # What was carried out, for reports and tests.

@@ -39,7 +39,7 @@ def on_cpu(monkeypatch):
 def skip_warmup(first_step, monkeypatch):
     """Every measured step judged, as in a function whose convolutions a
     step before it tuned (`FirstSteps._warming`)."""
-    monkeypatch.setattr(first_step.FirstSteps, "_warming", lambda self: False)
+    monkeypatch.setattr(first_step.FirstSteps, "_warming", lambda self, plan: False)
 
 
 @pytest.fixture
@@ -97,7 +97,8 @@ def watch(first_step, monkeypatch, peak=None, fail=lambda n: False, runs=True):
     real = first_step.run_measured
 
     def run_measured(function, data, where):
-        plans.append(current[0].current.plan)
+        # The plan of the batch measured (a short last batch has its own).
+        plans.append(current[0]._active.plan)
         jit.append(current[1].jit_compile)
         if fail(len(plans)) and not runs:
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
@@ -288,7 +289,8 @@ def test_no_plan_that_fits_a_step_over_its_limit_is_a_plan_error(on_cpu, monkeyp
     with pytest.raises(keras_autovm.PlanError) as raised:
         train(policy="auto", budget=budget)
     text = str(raised.value)
-    assert text.startswith("AutoVM: the first step under its plan for batch size 8 "
+    # The first step, which tunes cuDNN's convolutions, was not judged.
+    assert text.startswith("AutoVM: the second step under its plan for batch size 8 "
                            "peaked at") and "over its limit" in text
     assert text.count("The smallest feasible budget is") == 1
 
@@ -342,7 +344,9 @@ def test_a_first_step_over_its_limit_is_followed_by_one_under_the_same_plan(
     assert limit_of(runtime.plans) < over(seen[0], 1.3)
     assert seen[1] is seen[0]  # Not replanned after the first step.
     assert runtime.stats["warmup_peak_bytes"] == over(seen[0], 1.4)
-    assert not said if second == "within" else "over its limit" in said[0]
+    assert not said if second == "within" else (
+        said[0].startswith("AutoVM: the second step under its plan")
+        and "over its limit" in said[0])
     if second == "within":
         assert len(seen) == 2 and runtime.plans.memory_scale == 1
         assert runtime.stats["first_step_peak_bytes"] == over(seen[0], 1.0)
@@ -366,7 +370,7 @@ def test_a_first_step_out_of_memory_is_undone_and_run_again_under_its_plan(
     assert len(seen) == 2 and seen[1] is seen[0]
     assert runtime.stats["warmup_reruns"] == 1 and "out_of_memory_replans" not in runtime.stats
     assert runtime.plans.memory_scale == 1 and runtime.plans.memory_extra == 0
-    assert len(said) == 1 and "tunes its convolutions" in said[0]
+    assert len(said) == 1 and "tunes each new convolution" in said[0]
     assert "run again under the same plan" in said[0]
     assert kept_overhead(callback) == (1.0, 0)
     # Undone: it trains as a fit whose first step did not fail.
@@ -383,6 +387,53 @@ def test_a_first_step_out_of_memory_is_undone_and_run_again_under_its_plan(
     assert len(seen) == 3 and seen[1] is seen[0] and seen[2].actions != seen[0].actions
     assert callback._runtime.stats["out_of_memory_replans"] == 1
     assert int(model.optimizer.iterations) == STEPS
+
+
+def test_a_plan_made_at_an_epochs_end_is_judged_from_its_first_step(
+        on_cpu, monkeypatch, said):
+    """cuDNN tunes each new convolution once in a process: a plan made at an
+    epoch's end (measured through a new training function) runs the same
+    ones, so its first step is judged. The allocator's peak is reset after a
+    first step not judged, so that the epoch's end does not learn from it
+    either."""
+    import tensorflow as tf
+
+    from keras_autovm import patches as patches_lib
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: int(
+        plan.result.peak_bytes * (1.4 if plan not in seen[:-1] else 1.0)))
+    resets = []
+    real_reset = tf.config.experimental.reset_memory_stats
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats",
+                        lambda where: (resets.append(len(seen)), real_reset(where)))
+    autovm = []
+    real_init = keras_autovm.AutoVM.__init__
+    monkeypatch.setattr(keras_autovm.AutoVM, "__init__", lambda self, *args, **kw: (
+        real_init(self, *args, **kw), autovm.append(self))[0])
+
+    class Replan(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch:
+                return
+            runtime = seen.current[0]
+            runtime.plans.memory_scale = 1.3
+            runtime.replace(runtime.plans.plan(8))
+            patches_lib.retrace(self.model, autovm[0]._patches, runtime)
+
+    model, callback = train(policy="auto", budget=tight_budget(), epochs=2,
+                            callbacks=[Replan()])
+    # Epoch 1: not judged, then judged within its limit. Epoch 2: the new
+    # plan judged at its first step (over its limit: replanned), and the
+    # plan after it.
+    assert len(seen) == 4 and seen[1] is seen[0] and seen[2].actions != seen[0].actions
+    assert said[0].startswith("AutoVM: the first step under its plan for batch size 8 "
+                              "peaked at") and "over its limit" in said[0]
+    stats = callback._runtime.stats
+    assert stats["warmup_peak_bytes"] == int(seen[0].result.peak_bytes * 1.4)
+    assert stats["first_step_replans"] == 1
+    # Each measured step resets the peak before it runs; the one not judged
+    # once more after it.
+    assert resets.count(1) == 2 and resets.count(2) == 1 and resets.count(3) == 1
+    assert int(model.optimizer.iterations) == 2 * STEPS
 
 
 def test_under_xla_the_first_step_is_judged_as_it_ran(on_cpu, monkeypatch, said):
@@ -488,7 +539,8 @@ def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypa
     with pytest.raises(keras_autovm.PlanError) as raised:
         train(policy="auto", budget=tight_budget())
     text = str(raised.value)
-    assert text.startswith("AutoVM: the first step under its plan for batch size 8 "
+    # The first, which tunes cuDNN's convolutions, ran again: the second failed.
+    assert text.startswith("AutoVM: the second step under its plan for batch size 8 "
                            "ran out of GPU memory")
     assert text.count("The smallest feasible budget is") == 1
     # What it learnt is kept: the next fit is refused before any step.

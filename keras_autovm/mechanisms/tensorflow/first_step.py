@@ -23,10 +23,12 @@ an 8 GiB cap peaked at 7.85 and 7.91 GiB, and the iterator function's
 first step after it filled the cap; in two of three runs the step after
 that ran out of memory (results/tensorflow/rerun/). The measured
 step compiles and is not timed. The first one (without XLA) also tunes
-cuDNN's convolutions, with scratch taken wherever memory is free, so it is
-not judged where it did not run within its limit (`FirstSteps._warming`):
-over it, the next step is measured under the same plan; out of memory, it
-is undone and run again under the same plan, once. Then a measured step:
+cuDNN's convolutions (the fit's first at its batch size), with scratch
+taken wherever memory is free, so it is not judged where it did not run
+within its limit (`FirstSteps._warming`): over it, the next step is
+measured under the same plan (the messages call it the second step); out
+of memory, it is undone and run again under the same plan, once. Then a
+measured step:
 
 - it ran out of memory: the variables are put back (metrics Keras built
   as the step was traced are reset), the overhead is learnt as on the
@@ -120,9 +122,9 @@ class FirstSteps:
         self.model, self.runtime, self.function = model, runtime, function
         self.where = device()
         self.replans = 0
-        # Whether a measured step of this function has run (or run out of
-        # memory): the first one tunes cuDNN's convolutions (see `_warming`).
-        self.tuned = False
+        # The plan whose first step was not judged (`_warming`): its next
+        # measured step is its second.
+        self.second = None
 
     def __call__(self, iterator):
         if self.where is None or not self._wanted(self.runtime.current):
@@ -144,7 +146,7 @@ class FirstSteps:
             if not self._wanted(applied):  # Another batch size, or measured.
                 return self.function(batch())
             saved = _host_copies(self.model)
-            warming = self._warming()
+            warming = self._warming(applied.plan)
             try:
                 logs, peak = run_measured(self.function, batch(), self.where)
             except tf.errors.ResourceExhaustedError as raised:
@@ -163,30 +165,43 @@ class FirstSteps:
             gc.collect()
             if warming:  # The same plan again, its convolutions now tuned.
                 self._count("warmup_reruns")
+                self.second = _key(applied.plan)
                 self.runtime.warn(
                     f"{_seen(applied.plan, 'ran out of GPU memory', self.runtime.plans)} "
-                    "TensorFlow tunes its convolutions in a function's first "
-                    "step, with scratch taken where memory is free: run "
-                    "again under the same plan.")
+                    "TensorFlow tunes each new convolution in the first step "
+                    "that runs it, with scratch taken where memory is free: "
+                    "run again under the same plan.")
                 continue
             self._after_out_of_memory(applied.plan, error)
 
-    def _warming(self):
-        """Whether the step about to be measured is this function's first,
-        not under XLA: it is not judged, for cuDNN's autotuning runs in it.
-        TensorFlow times each new convolution's algorithms in the first step
-        that runs it, with scratch of up to 4 GiB taken wherever memory is
-        free (its log shows attempts of 0.1 to 3.4 GiB it let fail, during the
-        first step). On an H200 under an 8 GiB cap, VGG-19's plan at
-        batch 96 that ran at 6.63 GiB after another step ran out of memory
-        as a process's first step, and ResNet-152's first step at 264 peaked
-        0.25 GiB over its limit (results/tensorflow/kept_overhead/). A
-        first step that runs over its limit is followed by another under the
-        same plan, measured and judged; one that runs out of memory is undone
-        and run again once. Under XLA a step out of memory cannot be undone,
-        and XLA tunes as it compiles: judged as it ran."""
-        first, self.tuned = not self.tuned, True
-        return first and not self.model.jit_compile
+    def _warming(self, plan):
+        """Whether the step about to be measured under `plan` is the fit's
+        first at its batch size without XLA: cuDNN's autotuning runs in it,
+        so it is not judged. TensorFlow times each new convolution's
+        algorithms in the first step that runs it, with scratch of up to
+        4 GiB taken wherever memory is free (the logs of
+        results/tensorflow/warmup/ show attempts of 0.6 to 3.6 GiB it let
+        fail). On an H200 under an
+        8 GiB cap a VGG-19 plan at batch 96 ran at 6.63 GiB after another
+        step, but ran out of memory as a process's first step
+        (results/tensorflow/kept_overhead/8081a74/); the step after the
+        first peaked 0.04 to 0.15 GiB lower in five runs
+        (results/tensorflow/warmup/). A first step that runs over its limit
+        is followed by another under the same plan, measured and judged;
+        one that runs out of memory is undone and run again once. Another
+        plan at that batch size runs the same convolutions, tuned: its first
+        step is judged. Under XLA a step out of memory cannot be undone, and
+        XLA tunes as it compiles: judged as it ran."""
+        batch = plan.graph.batch_size
+        if self.model.jit_compile or batch in self.runtime.tuned:
+            return False
+        self.runtime.tuned.add(batch)
+        return True
+
+    def _nth(self, plan):
+        """Which step of `plan` was judged: its second after a first step
+        that was not (`_warming`)."""
+        return "second" if _key(plan) == self.second else "first"
 
     def _count(self, counter):
         stats = self.runtime.stats
@@ -207,14 +222,17 @@ class FirstSteps:
             self._fitted(plan)
             return logs
         if warming:  # Not kept, not judged: the next step is measured.
-            stats["warmup_peak_bytes"] = peak
+            stats["warmup_peak_bytes"] = max(stats.get("warmup_peak_bytes", 0), peak)
+            self.second = _key(plan)
+            # Nor learnt from at the epoch's end, should it be the last step.
+            tf.config.experimental.reset_memory_stats(self.where)
             return logs
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
         if self.replans == RETRIES:
             _learn(plans, plan, peak)
             runtime.fitted_keys.add(_key(plan))  # Not measured again; no fallback.
             runtime.warn(
-                f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans)} Kept: "
+                f"{_seen(plan, f'peaked at {format_bytes(peak)}', plans, self._nth(plan))} Kept: "
                 f"over its limit after {RETRIES} replans; plans made from now "
                 f"on allow for a measured memory overhead of {_overhead(plans)}.")
             return logs
@@ -224,7 +242,8 @@ class FirstSteps:
         # the cap, over its limit, and the third step ran out of memory
         # (results/tensorflow/workspace/). The step stood; the next one runs
         # under the new plan.
-        seen = _seen(plan, f"peaked at {format_bytes(peak)}, {_where(peak, full, plans)}", plans)
+        seen = _seen(plan, f"peaked at {format_bytes(peak)}, {_where(peak, full, plans)}",
+                     plans, self._nth(plan))
         self._replan(plan, seen, "first_step_replans",
                      runtime.fitted_plans.get(plan.graph.batch_size))
         return logs
@@ -243,7 +262,7 @@ class FirstSteps:
         memory = runtime.mechanism.device_memory() or plans.budget_bytes
         plans.learn(oom.overhead_after_oom(plan, plans, memory),
                     oom.extra_after_oom(plan, memory))
-        seen = _seen(plan, "ran out of GPU memory", plans)
+        seen = _seen(plan, "ran out of GPU memory", plans, self._nth(plan))
         fallback = runtime.fitted_plans.get(plan.graph.batch_size)
         self._replan(plan, seen, "out_of_memory_replans", fallback)
 
@@ -307,8 +326,8 @@ def _overhead(plans):
     return overhead_text(plans.memory_scale, plans.memory_extra)
 
 
-def _seen(plan, what, plans):
-    return (f"AutoVM: the first step under its plan for batch size "
+def _seen(plan, what, plans, nth="first"):
+    return (f"AutoVM: the {nth} step under its plan for batch size "
             f"{plan.graph.batch_size} {what} (plan: "
             f"{format_bytes(plan.result.peak_bytes)}, limit "
             f"{format_bytes(plans.headroom_limit)}, budget "
