@@ -119,6 +119,28 @@ def watch(first_step, monkeypatch, peak=None, fail=lambda n: False, runs=True):
     return plans
 
 
+def replan_after_first_epoch(monkeypatch, seen):
+    """A callback that, at the first epoch's end, puts a plan made with a
+    larger overhead in force and retraces the step, as a replan at an
+    epoch's end does (`seen`: from `watch`)."""
+    from keras_autovm import patches as patches_lib
+    autovm = []
+    real_init = keras_autovm.AutoVM.__init__
+    monkeypatch.setattr(keras_autovm.AutoVM, "__init__", lambda self, *args, **kw: (
+        real_init(self, *args, **kw), autovm.append(self))[0])
+
+    class Replan(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch:
+                return
+            runtime = seen.current[0]
+            runtime.plans.memory_scale = 1.3
+            runtime.replace(runtime.plans.plan(8))
+            patches_lib.retrace(self.model, autovm[0]._patches, runtime)
+
+    return Replan()
+
+
 class Seen(list):
     """The plans of the measured steps; `jit`: whether each ran under XLA."""
 
@@ -398,29 +420,14 @@ def test_a_plan_made_at_an_epochs_end_is_judged_from_its_first_step(
     either."""
     import tensorflow as tf
 
-    from keras_autovm import patches as patches_lib
     seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: int(
         plan.result.peak_bytes * (1.4 if plan not in seen[:-1] else 1.0)))
     resets = []
     real_reset = tf.config.experimental.reset_memory_stats
     monkeypatch.setattr(tf.config.experimental, "reset_memory_stats",
                         lambda where: (resets.append(len(seen)), real_reset(where)))
-    autovm = []
-    real_init = keras_autovm.AutoVM.__init__
-    monkeypatch.setattr(keras_autovm.AutoVM, "__init__", lambda self, *args, **kw: (
-        real_init(self, *args, **kw), autovm.append(self))[0])
-
-    class Replan(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch:
-                return
-            runtime = seen.current[0]
-            runtime.plans.memory_scale = 1.3
-            runtime.replace(runtime.plans.plan(8))
-            patches_lib.retrace(self.model, autovm[0]._patches, runtime)
-
     model, callback = train(policy="auto", budget=tight_budget(), epochs=2,
-                            callbacks=[Replan()])
+                            callbacks=[replan_after_first_epoch(monkeypatch, seen)])
     # Epoch 1: not judged, then judged within its limit. Epoch 2: the new
     # plan judged at its first step (over its limit: replanned), and the
     # plan after it.
@@ -556,7 +563,6 @@ def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
     plan fits what it showed: the plan measured within its limit in the
     first epoch comes back."""
     from keras_autovm import oom
-    from keras_autovm import patches as patches_lib
     budget = tight_budget()
     if second == "out of memory":
         monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 10.0)
@@ -566,22 +572,8 @@ def test_no_plan_after_the_next_plans_first_step_goes_back_to_one_that_ran(
         seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
                      budget if n == 2 else plan.result.peak_bytes)
 
-    autovm = []
-    real_init = keras_autovm.AutoVM.__init__
-    monkeypatch.setattr(keras_autovm.AutoVM, "__init__", lambda self, *args, **kw: (
-        real_init(self, *args, **kw), autovm.append(self))[0])
-
-    class Replan(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch:
-                return
-            runtime = seen.current[0]
-            runtime.plans.memory_scale = 1.3
-            runtime.replace(runtime.plans.plan(8))
-            patches_lib.retrace(self.model, autovm[0]._patches, runtime)
-
     model, callback = train(policy="auto", budget=budget, epochs=2,
-                            callbacks=[Replan()])
+                            callbacks=[replan_after_first_epoch(monkeypatch, seen)])
     assert len(seen) == 2 and seen[1].actions != seen[0].actions
     counter = "out_of_memory_replans" if second == "out of memory" else "first_step_replans"
     assert callback._runtime.stats[counter] == 1
