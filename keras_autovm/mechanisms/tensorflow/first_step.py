@@ -181,9 +181,9 @@ class FirstSteps:
         algorithms in the first step that runs it, with scratch of up to
         4 GiB taken wherever memory is free (the logs of
         results/tensorflow/warmup/ show attempts of 0.6 to 3.6 GiB it let
-        fail). On an H200 under an
-        8 GiB cap a VGG-19 plan at batch 96 ran at 6.63 GiB after another
-        step, but ran out of memory as a process's first step
+        fail). On an H200 under an 8 GiB cap a VGG-19 plan at batch 96 ran
+        at 6.63 GiB after another step, but ran out of memory as a
+        process's first step
         (results/tensorflow/kept_overhead/8081a74/); the step after the
         first peaked 0.04 to 0.15 GiB lower in five runs
         (results/tensorflow/warmup/). A first step that runs over its limit
@@ -217,17 +217,17 @@ class FirstSteps:
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
         full = runtime.mechanism.fills_allocator(peak)
-        if peak <= plans.headroom_limit and not full:
-            stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
-            self._fitted(plan)
-            return logs
-        if warming:  # Not kept, not judged: the next step is measured.
+        within = peak <= plans.headroom_limit and not full
+        if warming and not within:  # Not judged: the next step is measured.
             stats["warmup_peak_bytes"] = max(stats.get("warmup_peak_bytes", 0), peak)
             self.second = _key(plan)
             # Nor learnt from at the epoch's end, should it be the last step.
             tf.config.experimental.reset_memory_stats(self.where)
             return logs
         stats["first_step_peak_bytes"] = max(stats.get("first_step_peak_bytes", 0), peak)
+        if within:
+            self._fitted(plan)
+            return logs
         if self.replans == RETRIES:
             _learn(plans, plan, peak)
             runtime.fitted_keys.add(_key(plan))  # Not measured again; no fallback.
