@@ -137,6 +137,24 @@ def room_for(limit, memory_scale=1.0, memory_extra=0):
     return max(limit * memory_scale, limit + memory_extra)
 
 
+def least_plan(graph, limit, policy, cost, mechanism):
+    """The plan of least predicted peak that `policy` makes with the actions
+    `mechanism` allows under `auto` (any it can carry out for a policy named
+    explicitly), or `None` where that peak is over `limit`."""
+    allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
+    cost = planning_cost(cost, mechanism)
+    bounds = mechanism.in_flight_bounds(cost)
+    try:  # The PlanError states the least limit any plan reaches.
+        return planner.make_plan(graph, 1, policy=policy, cost=cost,
+                                 allowed=allowed, bounds=bounds)
+    except planner.PlanError as error:
+        need = error.min_budget
+    if need > limit:
+        return None
+    return planner.make_plan(graph, need, policy=policy, cost=cost, allowed=allowed,
+                             bounds=bounds)
+
+
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
                 memory_scale=1.0, memory_extra=0):
     """Plans a graph to fit the limit, with the actions `mechanism` can do.
@@ -282,6 +300,33 @@ class PlanBook:
                 if not self.mechanism.checks_own_step(self.policy):
                     raise
                 plan = self._refused(self._graphs[key], error)
+        if self.announce is not None:
+            self.announce(plan)
+        return plan
+
+    def least(self, batch_size):
+        """The plan of least predicted peak at `batch_size` (the shapes last
+        planned there), made without the learnt overhead, or `None` where
+        even it is over the budget less the headroom.
+
+        An overhead is learnt from one plan's measured step, and another
+        plan may not show it: on an H200 under a 6.47 GiB cap, VGG-19's
+        `auto` plan at batch 64 peaked 0.71 GiB over its prediction, and
+        the overhead left no plan, while `offload_all`'s plan, predicted at
+        5.24 GiB, trained at 4.97 GiB (results/tensorflow/oversub/). So a
+        mechanism that measures a plan's step before keeping it may run
+        this one and judge it by its own step (`first_step`)."""
+        graph = self._graphs[(batch_size, self.shapes_at(batch_size))]
+        least = least_plan(graph, self.headroom_limit, self.policy, self.cost,
+                           self.mechanism)
+        if least is None:
+            return None
+        plan = dataclasses.replace(least, device_budget=self.budget_bytes,
+                                   headroom=self.headroom, memory_scale=self.memory_scale,
+                                   memory_extra=self.memory_extra)
+        plan.notes.append("The plan of least predicted peak, made without the measured "
+                          "memory overhead, which left no plan: it is judged by its own "
+                          "measured step.")
         if self.announce is not None:
             self.announce(plan)
         return plan

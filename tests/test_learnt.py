@@ -84,6 +84,29 @@ def test_a_plan_book_learns_upwards_and_tells_only_when_asked_to_keep():
     book().keep_learnt()  # No `remember`: nothing to tell.
 
 
+def test_the_least_plan_is_made_without_the_learnt_overhead():
+    """What a mechanism that measures steps may run where the overhead one
+    plan's step showed leaves no plan (`PlanBook.least`)."""
+    from keras_autovm import budget as budget_lib
+    from keras_autovm import planner
+    plans = book()
+    first = plans.plan(8)
+    plans.learn(1e6)  # Nothing fits now.
+    with pytest.raises(planner.PlanError):
+        plans.plan(8)
+    least = plans.least(8)
+    graph = plans._graphs[(8, None)]
+    cost = budget_lib.planning_cost(plans.cost, plans.mechanism)
+    with pytest.raises(planner.PlanError) as raised:  # Its figure for the least.
+        planner.make_plan(graph, 1, cost=cost, allowed=plans.mechanism.auto_actions())
+    assert least.result.peak_bytes == raised.value.min_budget
+    assert least.result.peak_bytes < first.result.peak_bytes
+    assert (least.memory_scale, least.device_budget, least.headroom) == (1e6, GIB, 0.05)
+    assert "least predicted peak" in least.notes[-1]
+    plans.budget_bytes = least.result.peak_bytes  # Less the headroom, under it.
+    assert plans.least(8) is None
+
+
 def test_a_keeper_writes_what_changed(tmp_path):
     path = str(tmp_path / "m.learnt.json")
     remember = learnt.keeper(path, KEY, recalled=(1.1, 0))

@@ -42,6 +42,13 @@ def skip_warmup(first_step, monkeypatch):
     monkeypatch.setattr(first_step.FirstSteps, "_warming", lambda self, plan: False)
 
 
+def no_least(monkeypatch):
+    """No plan of least predicted peak to try (`PlanBook.least`), as where
+    it is over the limit even without the learnt overhead."""
+    from keras_autovm.budget import PlanBook
+    monkeypatch.setattr(PlanBook, "least", lambda self, batch_size: None)
+
+
 @pytest.fixture
 def tuned(on_cpu, monkeypatch):
     skip_warmup(on_cpu, monkeypatch)
@@ -306,6 +313,7 @@ def test_a_step_over_its_limit_within_the_budget_is_followed_by_a_new_plan(
 
 def test_no_plan_that_fits_a_step_over_its_limit_is_a_plan_error(on_cpu, monkeypatch):
     monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    no_least(monkeypatch)
     budget = tight_budget()
     watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget)
     with pytest.raises(keras_autovm.PlanError) as raised:
@@ -492,6 +500,7 @@ def test_a_plan_over_its_limit_is_no_fallback_after_running_out(
     user's, not a return to a plan that may run out later."""
     from keras_autovm import oom
     monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 100.0)
+    no_least(monkeypatch)
     seen = watch(on_cpu, monkeypatch, fail=lambda n: n == 2,
                  peak=lambda n, plan, measured: cap_at_budget - FILLED_WITHIN // 2)
     with pytest.raises(keras_autovm.PlanError, match="ran out of GPU memory"):
@@ -542,6 +551,7 @@ def test_out_of_memory_after_the_retries_is_the_users_error_and_undone(
 def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypatch):
     from keras_autovm import oom
     monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 10.0)
+    no_least(monkeypatch)
     watch(on_cpu, monkeypatch, fail=lambda n: True)
     with pytest.raises(keras_autovm.PlanError) as raised:
         train(policy="auto", budget=tight_budget())
@@ -553,6 +563,64 @@ def test_no_plan_that_fits_what_the_step_showed_is_a_plan_error(on_cpu, monkeypa
     # What it learnt is kept: the next fit is refused before any step.
     with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit"):
         train(policy="auto", budget=tight_budget())
+
+
+@pytest.mark.parametrize("first", ["out of memory", "over its limit"])
+def test_where_the_overhead_leaves_no_plan_the_least_plan_runs_and_is_kept(
+        on_cpu, monkeypatch, tuned, said, first):
+    """The overhead one plan's step showed need not be another's: on an
+    H200, VGG-19's `auto` plan peaked 0.71 GiB over its prediction where
+    `offload_all`'s trained under its own (results/tensorflow/oversub/).
+    So the plan of least predicted peak, made without the overhead, runs
+    and is judged by its own step before any `PlanError`."""
+    from keras_autovm import oom
+    budget = tight_budget()
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    monkeypatch.setattr(oom, "overhead_after_oom", lambda plan, plans, memory: 100.0)
+    seen = watch(on_cpu, monkeypatch, fail=lambda n: n == 1 and first == "out of memory",
+                 peak=lambda n, plan, measured: budget if n == 1 else plan.result.peak_bytes)
+    model, callback = train(policy="auto", budget=budget)
+    runtime = callback._runtime
+    assert len(seen) == 2 and seen[1].actions != seen[0].actions
+    assert seen[1].result.peak_bytes < seen[0].result.peak_bytes
+    assert "least predicted peak" in seen[1].notes[-1]
+    assert runtime.stats["least_plan_runs"] == 1 and runtime.fitted_plans[8] is seen[1]
+    assert any("the plan of least predicted peak" in line for line in said)
+    assert callback.plan.actions == seen[1].actions
+    # Over its limit, the first step stood; out of memory, it ran again.
+    assert int(model.optimizer.iterations) == STEPS
+    assert kept_overhead(callback) == (1.0, 0)  # It trained: nothing kept.
+
+
+def test_the_least_plan_over_its_limit_is_a_plan_error_that_names_its_step(
+        on_cpu, monkeypatch, tuned):
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget)
+    with pytest.raises(keras_autovm.PlanError) as raised:
+        train(policy="auto", budget=budget)
+    assert len(seen) == 2 and "least predicted peak" in seen[1].notes[-1]
+    text = str(raised.value)
+    assert text.startswith("AutoVM: the first step under its plan for batch size 8 "
+                           "peaked at") and "over its limit" in text
+    plan = f"plan: {keras_autovm.planner.format_bytes(seen[1].result.peak_bytes)}"
+    assert plan in text  # The least plan's step, not the first plan's.
+    # Tried once: what it learnt is kept, and the next fit is refused.
+    with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit"):
+        train(policy="auto", budget=budget)
+    assert len(seen) == 2
+
+
+def test_the_least_plan_is_not_run_again_where_it_is_the_plan_that_failed(
+        on_cpu, monkeypatch, tuned):
+    from keras_autovm.budget import PlanBook
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget)
+    monkeypatch.setattr(PlanBook, "least", lambda self, batch_size: seen[-1])
+    with pytest.raises(keras_autovm.PlanError, match="over its limit"):
+        train(policy="auto", budget=budget)
+    assert len(seen) == 1
 
 
 @pytest.mark.parametrize("second", ["out of memory", "over its limit"])

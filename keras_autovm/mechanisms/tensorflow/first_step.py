@@ -275,17 +275,34 @@ class FirstSteps:
                     f"{_overhead(plans)} (predicted peak now "
                     f"{format_bytes(new.result.peak_bytes)}).")
         except PlanError as no_plan:
-            if fallback is None:  # The user's, saying what was measured.
-                no_plan.args = (f"{seen} {no_plan.args[0]}",)
-                raise
             new, said = fallback, ("No plan fits what it showed; back to the "
                                    "plan measured within its limit before.")
-            runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
+            if fallback is None:
+                new, said = self._least(plan), ("No plan fits what it showed; the plan "
+                                                "of least predicted peak, made without "
+                                                "that overhead, runs next, judged by its "
+                                                "own step.")
+            if new is None:  # The user's, saying what was measured.
+                no_plan.args = (f"{seen} {no_plan.args[0]}",)
+                raise
+            if new is fallback:
+                runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
         self.replans += 1
         self._count(counter)
         runtime.replace(new)
         runtime.warn(f"{seen} {said}")
         self.function = self._retraced()
+
+    def _least(self, plan):
+        """The plan of least predicted peak for `plan`'s batch size, made
+        without the learnt overhead (`PlanBook.least`); `None` where it is
+        `plan` (so it runs once) or is over the limit even without the
+        overhead."""
+        least = self.runtime.plans.least(plan.graph.batch_size)
+        if least is None or _key(least) == _key(plan):
+            return None
+        self._count("least_plan_runs")
+        return least
 
     def _retraced(self):
         """Keras's training function traced anew, leaving this one in place."""
