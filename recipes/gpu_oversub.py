@@ -22,6 +22,14 @@ against the measured ones. Every step waits for the device (the loss is read
 back). With matplotlib, also writes a PNG of throughput ratio against
 oversubscription next to the JSON. Training, peaks and timers are
 `gpu_swap.py`'s.
+
+    python3 recipes/gpu_oversub.py --merge A.json B.json --out merged.json
+
+puts the factors of several runs of one backend, model and batch in one
+file and one plot, on a machine without a GPU. Each ratio stays the one
+its own run measured against its own in-core step; where two runs have a
+factor and method in common, the later file's is taken. Each factor names
+the file (`from`) and command it came from.
 """
 
 import argparse
@@ -112,7 +120,8 @@ def plot(results, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in results["methods"]:
         points = [(f["factor"], f["summary"][method].get("throughput_ratio", 0.0))
-                  for f in results["factors"]]
+                  for f in results["factors"]
+                  if f["summary"][method].get("status") != "not run"]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
     ax.set_xlabel("oversubscription (in-core need / budget)")
     ax.set_ylabel("throughput / in-core uncapped (0: did not run)")
@@ -123,6 +132,45 @@ def plot(results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def merged(runs, names):
+    """The factors of `runs` (results of one backend, model and batch, in
+    the order given) in one result: each factor with the summaries of every
+    method measured at it, a later run's replacing an earlier one's."""
+    first = runs[0]
+    for run in runs[1:]:
+        same = [run[k] == first[k] for k in ("backend", "model", "batch")]
+        if not all(same):
+            raise ValueError(f"--merge takes runs of one backend, model and batch; "
+                             f"received {first['backend']} {first['model']} {first['batch']} "
+                             f"and {run['backend']} {run['model']} {run['batch']}")
+    factors = {}
+    for run, name in zip(runs, names):
+        for entry in run["factors"]:
+            into = factors.setdefault(entry["factor"], {"factor": entry["factor"],
+                                                        "summary": {}, "from": {}})
+            for method, row in entry["summary"].items():
+                into["summary"][method] = dict(row, budget_gib=entry["budget_gib"])
+                into["from"][method] = name
+    methods = sorted({m for f in factors.values() for m in f["summary"]})
+    for entry in factors.values():  # Not measured at this factor: no point.
+        for method in methods:
+            entry["summary"].setdefault(method, {"status": "not run"})
+    return {"backend": first["backend"], "model": first["model"], "batch": first["batch"],
+            "versions": first["versions"], "methods": methods,
+            "merged": [{"from": n, "command": r["command"], "date": r["date"],
+                        "incore_images_per_s": r["incore_uncapped"].get("images_per_s")}
+                       for r, n in zip(runs, names)],
+            "factors": [factors[k] for k in sorted(factors)]}
+
+
+def merge(paths, out):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    save(merged(runs, [os.path.basename(p) for p in paths]), out)
 
 
 def main():
@@ -136,9 +184,13 @@ def main():
     measure.child_arguments(parser, 240)
     parser.add_argument("--method", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="results of this recipe to put in one file and plot")
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.merge:
+        return merge(args.merge, args.out)
     methods = [m for m in args.methods.split(",")
                if m != "save_on_cpu" or args.backend == "torch"]
     # Before `versions`, which imports Keras: its backend is fixed at import.

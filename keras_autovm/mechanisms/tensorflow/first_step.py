@@ -33,21 +33,28 @@ measured step:
 - it ran out of memory: the variables are put back (metrics Keras built
   as the step was traced are reset), the overhead is learnt as on the
   other backends (`oom.overhead_after_oom`), the batch size is replanned,
-  the step retraced and run again; where no plan fits what it showed, the
-  last plan measured within its limit for the batch size comes back, or,
-  without one, the `PlanError` is the user's;
+  the step retraced and run again; where no plan fits what it showed, see
+  below;
 - it ran within its limit (the budget less the headroom): the plan is kept;
 - it ran over its limit, over the budget, or its peak reached the
   allocator's limit (`Mechanism.fills_allocator`): the step stands, the
   overhead (measured peak over predicted) is learnt, the batch size is
   replanned, and the next step runs under the new plan, measured in its
-  turn; where no plan fits, the last plan measured within its limit for
-  the batch size comes back, or, without one, the `PlanError` is the
-  user's. A step within the budget but over its limit is not kept: on an
+  turn. A step within the budget but over its limit is not kept: on an
   H200, ResNet-152's at batch 264 (8 GiB cap) peaked 1.8 KB and, with 5%
   headroom, 45 MB short of the cap, and each time the third step ran out
   of memory; another first step, 218 MB short, trained
   (results/tensorflow/rerun/, results/tensorflow/workspace/).
+
+Where no plan fits what a step showed, the last plan measured within its
+limit for the batch size comes back; without one, the plan of least
+predicted peak, made without the overhead just learnt (`PlanBook.least`),
+runs next and is measured in its turn, since one plan's overhead need not
+be another's (VGG-19 at batch 64 under a 6.47 GiB cap on an H200: `auto`'s
+plan peaked 0.71 GiB over its prediction, and the least plan trained at
+0.99x its own; results/tensorflow/oversub/); where that plan is the one that
+just ran, or is over the limit even without the overhead, the `PlanError`
+is the user's.
 
 After `RETRIES` replans, a plan over its limit is kept and said, and a
 step out of memory is the user's error. Only with `steps_per_execution=1`
@@ -55,7 +62,7 @@ step out of memory is the user's error. Only with `steps_per_execution=1`
 step: an epoch's peak counts from its last measured step, the highest
 judged is `first_step_peak_bytes` in the runtime's stats, and a first step
 not judged is `warmup_peak_bytes` (over its limit) or `warmup_reruns` (out
-of memory).
+of memory); `least_plan_runs` counts the least plans run.
 
 A step that ran out of memory under XLA is not run again: on an H100,
 TensorFlow aborted its process when AutoVM put a variable back after one
@@ -211,9 +218,7 @@ class FirstSteps:
         """A measured step that ran: kept within its limit (the budget less
         the headroom); else, where it was the first (`warming`), the next
         step is measured under the same plan; else replanned for the next
-        step; where no plan fits what it showed, the last plan measured
-        within its limit for the batch size comes back, or, without one,
-        the `PlanError` is the user's."""
+        step (`_replan`: where no plan fits what it showed)."""
         runtime, plans = self.runtime, self.runtime.plans
         stats = runtime.stats
         full = runtime.mechanism.fills_allocator(peak)
@@ -254,8 +259,7 @@ class FirstSteps:
 
     def _after_out_of_memory(self, plan, error):
         """Learns from a step that ran out of memory, and replans so that the
-        same batch runs again; where no plan fits, goes back to the last plan
-        measured within its limit for this batch size, if any."""
+        same batch runs again (`_replan`)."""
         runtime, plans = self.runtime, self.runtime.plans
         if self.replans == RETRIES:
             raise error
@@ -267,6 +271,10 @@ class FirstSteps:
         self._replan(plan, seen, "out_of_memory_replans", fallback)
 
     def _replan(self, plan, seen, counter, fallback=None):
+        """Puts a new plan for `plan`'s batch size in force; where none fits
+        what the step showed, `fallback` (a plan measured within its limit
+        before), else the least plan (`_least`), else the `PlanError` is
+        the user's."""
         runtime, plans = self.runtime, self.runtime.plans
         batch = plan.graph.batch_size
         try:
