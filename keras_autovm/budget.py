@@ -140,7 +140,8 @@ def room_for(limit, memory_scale=1.0, memory_extra=0):
 def least_plan(graph, limit, policy, cost, mechanism):
     """The plan of least predicted peak that `policy` makes with the actions
     `mechanism` allows under `auto` (any it can carry out for a policy named
-    explicitly), or `None` where that peak is over `limit`."""
+    explicitly), or `None` where that peak is over `limit` or planning at it
+    finds no plan."""
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
     cost = planning_cost(cost, mechanism)
     bounds = mechanism.in_flight_bounds(cost)
@@ -151,8 +152,11 @@ def least_plan(graph, limit, policy, cost, mechanism):
         need = error.min_budget
     if need > limit:
         return None
-    return planner.make_plan(graph, need, policy=policy, cost=cost, allowed=allowed,
-                             bounds=bounds)
+    try:  # A search's path depends on its limit: this one may find none.
+        return planner.make_plan(graph, need, policy=policy, cost=cost,
+                                 allowed=allowed, bounds=bounds)
+    except planner.PlanError:
+        return None
 
 
 def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,

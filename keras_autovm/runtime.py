@@ -53,6 +53,9 @@ class Runtime:
         # Batch sizes whose first measured step ran (or ran out of memory)
         # without XLA: cuDNN has tuned their convolutions.
         self.tuned = set()
+        # Plans of least predicted peak put in force where the overhead a
+        # step showed left no plan: measured however loose (`first_step`).
+        self.least_keys = set()
         # Whether a step was left as Keras runs it (see `plan_for_inputs`).
         self.declined = False
         # What was carried out, for reports and tests.

@@ -190,6 +190,8 @@ def main():
     if args.child:
         return child(args)
     if args.merge:
+        if not args.out:
+            parser.error("--merge needs --out, the merged file to write")
         return merge(args.merge, args.out)
     methods = [m for m in args.methods.split(",")
                if m != "save_on_cpu" or args.backend == "torch"]

@@ -463,6 +463,18 @@ def test_under_xla_the_first_step_is_judged_as_it_ran(on_cpu, monkeypatch, said)
     assert "warmup_peak_bytes" not in callback._runtime.stats
 
 
+def test_under_xla_no_least_plan_runs(on_cpu, monkeypatch):
+    """Made without the overhead, a plan that does not swap would keep the
+    step's XLA, where running out of memory cannot be undone."""
+    monkeypatch.setattr(on_cpu, "XLA_OVERHEAD", 0.0)  # XLA stays on.
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget)
+    with pytest.raises(keras_autovm.PlanError, match="the first step .* over its limit"):
+        train(policy="auto", budget=budget, jit_compile=True)
+    assert seen.jit == [True]
+
+
 @pytest.fixture
 def cap_at_budget(monkeypatch):
     """The allocator's limit is the budget, as under the GPU recipes' cap."""
@@ -609,6 +621,20 @@ def test_the_least_plan_over_its_limit_is_a_plan_error_that_names_its_step(
     with pytest.raises(keras_autovm.PlanError, match="kept by an earlier fit"):
         train(policy="auto", budget=budget)
     assert len(seen) == 2
+
+
+def test_a_least_plan_far_under_its_limit_is_measured_too(on_cpu, monkeypatch, tuned):
+    """Plans predicted under 1/`TIGHT` of their limit are not measured; a
+    least plan is, since the overhead learnt says it may not fit."""
+    monkeypatch.setattr(on_cpu, "TIGHT", 1.5)
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured: budget)
+    with pytest.raises(keras_autovm.PlanError, match="over its limit"):
+        train(policy="auto", budget=budget)
+    limit = budget * (1 - seen[0].headroom)
+    assert len(seen) == 2 and seen[1].result.peak_bytes * on_cpu.TIGHT < limit
+    assert seen[0].result.peak_bytes * on_cpu.TIGHT > limit
 
 
 def test_the_least_plan_is_not_run_again_where_it_is_the_plan_that_failed(

@@ -49,12 +49,13 @@ measured step:
 Where no plan fits what a step showed, the last plan measured within its
 limit for the batch size comes back; without one, the plan of least
 predicted peak, made without the overhead just learnt (`PlanBook.least`),
-runs next and is measured in its turn, since one plan's overhead need not
-be another's (VGG-19 at batch 64 under a 6.47 GiB cap on an H200: `auto`'s
-plan peaked 0.71 GiB over its prediction, and the least plan trained at
-0.99x its own; results/tensorflow/oversub/); where that plan is the one that
-just ran, or is over the limit even without the overhead, the `PlanError`
-is the user's.
+runs next and is measured in its turn (however loose), since one plan's
+overhead need not be another's (VGG-19 at batch 64 under a 6.47 GiB cap
+on an H200: `auto`'s plan peaked 0.71 GiB over its prediction, and the
+least plan trained at 0.99x its own; results/tensorflow/oversub/); where
+that plan is the one that just ran, is over the limit even without the
+overhead, or would run under XLA (a step there cannot be undone), the
+`PlanError` is the user's.
 
 After `RETRIES` replans, a plan over its limit is kept and said, and a
 step out of memory is the user's error. Only with `steps_per_execution=1`
@@ -139,8 +140,10 @@ class FirstSteps:
         return self._measured(next_batch(iterator), tensor_spec(iterator))
 
     def _wanted(self, applied):
-        return (self.model.steps_per_execution == 1 and _tight(self.runtime, applied)
-                and _key(applied.plan) not in self.runtime.fitted_keys)
+        key = _key(applied.plan)  # A least plan is measured however loose.
+        return (self.model.steps_per_execution == 1
+                and (_tight(self.runtime, applied) or key in self.runtime.least_keys)
+                and key not in self.runtime.fitted_keys)
 
     def _measured(self, data, spec):
         """Runs the step on `data` (the batch taken from the fit's iterator,
@@ -304,12 +307,17 @@ class FirstSteps:
     def _least(self, plan):
         """The plan of least predicted peak for `plan`'s batch size, made
         without the learnt overhead (`PlanBook.least`); `None` where it is
-        `plan` (so it runs once) or is over the limit even without the
-        overhead."""
+        `plan` (so it runs once), is over the limit even without the
+        overhead, or would run under XLA: a plan that does not swap keeps
+        the step's XLA, and made without the overhead it may well run out
+        of memory there, which cannot be undone."""
+        if self.model.jit_compile:
+            return None
         least = self.runtime.plans.least(plan.graph.batch_size)
         if least is None or _key(least) == _key(plan):
             return None
         self._count("least_plan_runs")
+        self.runtime.least_keys.add(_key(least))
         return least
 
     def _retraced(self):
