@@ -333,7 +333,7 @@ class AutoVM(keras.callbacks.Callback):
             new = plans.plan(plan.graph.batch_size)
         except planner.PlanError as error:
             plans.cost, plans.memory_scale = old
-            self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
+            self._kept(plan, error)
             return False
         stayed = self._stayed(plan, new, peak)
         if stayed is not None:  # Same actions: nothing to trace again.
@@ -352,6 +352,21 @@ class AutoVM(keras.callbacks.Callback):
             patches_lib.retrace(self._target, self._patches, self._runtime)
             return True
         return False
+
+    def _kept(self, plan, error):
+        """Says that a replan failed and `plan` stays. A plan whose measured
+        step ran within its limit (TensorFlow) is said once a fit, without
+        the `PlanError`'s smallest budget: it trains, where no other plan
+        fits the overhead another plan's step showed (`first_step`)."""
+        runtime = self._runtime
+        if not runtime.ran_within_limit(plan):
+            self._console.warn(f"AutoVM kept its plan: replanning failed: {error}")
+        elif not runtime.kept_said:
+            runtime.kept_said = True
+            self._console.warn(
+                "AutoVM kept its plan, whose measured step ran within its limit: "
+                "with the memory overhead learnt from the steps of other plans, "
+                "no plan fits; that stays so for this fit.")
 
     def _stayed(self, plan, new, peak):
         """`plan` predicted again with the cost just learnt

@@ -17,6 +17,11 @@ import keras
 from keras_autovm import internals
 
 
+def plan_key(plan):
+    """What makes two plans run the same step: batch size and actions."""
+    return plan.graph.batch_size, tuple(sorted(plan.actions.items()))
+
+
 class Runtime:
     """Applies plans to the layer calls of one wrapped model.
 
@@ -56,12 +61,21 @@ class Runtime:
         # Plans of least predicted peak put in force where the overhead a
         # step showed left no plan: measured however loose (`first_step`).
         self.least_keys = set()
+        # Whether a failed replan kept a plan that ran within its limit,
+        # said once a fit (`AutoVM._kept`).
+        self.kept_said = False
         # Whether a step was left as Keras runs it (see `plan_for_inputs`).
         self.declined = False
         # What was carried out, for reports and tests.
         self.stats = {"segments_run": 0, "segments_replayed": 0}
         # Set while a step runs unchanged (`stepping_aside`).
         self.aside = False
+
+    def ran_within_limit(self, plan):
+        """Whether `plan` is the last plan whose measured step ran within
+        its limit for its batch size (TensorFlow's `first_step`)."""
+        fitted = self.fitted_plans.get(plan.graph.batch_size)
+        return fitted is not None and plan_key(fitted) == plan_key(plan)
 
     @contextlib.contextmanager
     def stepping_aside(self):

@@ -604,6 +604,22 @@ def test_where_the_overhead_leaves_no_plan_the_least_plan_runs_and_is_kept(
     assert kept_overhead(callback) == (1.0, 0)  # It trained: nothing kept.
 
 
+def test_a_least_plan_kept_at_each_epochs_end_is_said_once(on_cpu, monkeypatch, tuned, said):
+    """The overhead stays learnt, so each epoch's replan finds no plan: the
+    plan that trains is kept, said once, without a smallest budget."""
+    from keras_autovm import callback as callback_lib
+    monkeypatch.setattr(callback_lib, "_REPLAN_RATIO", 1.0 + 1e-9)  # Replan each epoch.
+    monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.
+    budget = tight_budget()
+    seen = watch(on_cpu, monkeypatch, peak=lambda n, plan, measured:
+                 budget if n == 1 else plan.result.peak_bytes)
+    model, _ = train(policy="auto", budget=budget, epochs=3)
+    assert len(seen) == 2 and int(model.optimizer.iterations) == 3 * STEPS
+    kept = [line for line in said if line.startswith("AutoVM kept its plan")]
+    assert len(kept) == 1 and "ran within its limit" in kept[0]
+    assert not any("smallest feasible" in line for line in said)
+
+
 def test_the_least_plan_over_its_limit_is_a_plan_error_that_names_its_step(
         on_cpu, monkeypatch, tuned):
     monkeypatch.setattr(on_cpu, "_ratio", lambda peak, plan: 100.0)  # Nothing fits.

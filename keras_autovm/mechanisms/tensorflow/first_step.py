@@ -85,6 +85,7 @@ from keras_autovm.mechanisms.tensorflow.one_batch import tensor_spec
 from keras_autovm.planner import PlanError
 from keras_autovm.planner import format_bytes
 from keras_autovm.planner import overhead_text
+from keras_autovm.runtime import plan_key as _key
 
 # Replans after a first step over its limit or out of memory, per `fit`'s
 # training function.
@@ -328,11 +329,6 @@ class FirstSteps:
         fresh = model.train_function
         vars(model)["train_function"] = installed
         return fresh
-
-
-def _key(plan):
-    """What makes two plans run the same step: batch size and actions."""
-    return plan.graph.batch_size, tuple(sorted(plan.actions.items()))
 
 
 def _ratio(peak, plan):
