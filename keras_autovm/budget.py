@@ -137,24 +137,39 @@ def room_for(limit, memory_scale=1.0, memory_extra=0):
     return max(limit * memory_scale, limit + memory_extra)
 
 
-def least_plan(graph, limit, policy, cost, mechanism):
-    """The plan of least predicted peak that `policy` makes with the actions
-    `mechanism` allows under `auto` (any it can carry out for a policy named
-    explicitly), or `None` where that peak is over `limit` or planning at it
-    finds no plan."""
+def _planning(policy, cost, mechanism):
+    """`planner.make_plan`'s arguments besides the graph and the limit, as
+    `mechanism` runs plans: `"auto"` chooses among the actions it
+    recommends, a policy named explicitly may use any it can carry out.
+
+    Raises:
+        NotImplementedError: `policy` needs an action `mechanism` cannot do.
+    """
     allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
+    lacking = [a for a in planner.REQUIRES.get(policy, ()) if a not in allowed]
+    if lacking:
+        raise NotImplementedError(
+            f"Policy {policy!r} needs the {lacking[0]!r} action, which AutoVM "
+            f"cannot carry out on the {keras.backend.backend()} backend (it can "
+            f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
     cost = planning_cost(cost, mechanism)
-    bounds = mechanism.in_flight_bounds(cost)
+    return dict(policy=policy, cost=cost, allowed=allowed,
+                bounds=mechanism.in_flight_bounds(cost))
+
+
+def least_plan(graph, limit, policy, cost, mechanism):
+    """The plan of least predicted peak that `policy` makes as `mechanism`
+    runs plans (`_planning`), or `None` where that peak is over `limit` or
+    planning at it finds no plan."""
+    args = _planning(policy, cost, mechanism)
     try:  # The PlanError states the least limit any plan reaches.
-        return planner.make_plan(graph, 1, policy=policy, cost=cost,
-                                 allowed=allowed, bounds=bounds)
+        return planner.make_plan(graph, 1, **args)
     except planner.PlanError as error:
         need = error.min_budget
     if need > limit:
         return None
     try:  # A search's path depends on its limit: this one may find none.
-        return planner.make_plan(graph, need, policy=policy, cost=cost,
-                                 allowed=allowed, bounds=bounds)
+        return planner.make_plan(graph, need, **args)
     except planner.PlanError:
         return None
 
@@ -173,20 +188,12 @@ def plan_within(graph, budget_bytes, headroom, policy, cost, mechanism,
         keras_autovm.PlanError: no plan fits; its `min_budget` is the least
             budget (not limit) that would do.
     """
-    allowed = mechanism.auto_actions() if policy == "auto" else mechanism.actions()
-    lacking = [a for a in planner.REQUIRES.get(policy, ()) if a not in allowed]
-    if lacking:
-        raise NotImplementedError(
-            f"Policy {policy!r} needs the {lacking[0]!r} action, which AutoVM "
-            f"cannot carry out on the {keras.backend.backend()} backend (it can "
-            f"{', '.join(allowed)}). Use policy='auto' to plan with those.")
+    args = _planning(policy, cost, mechanism)
     limit = limit_for(budget_bytes, headroom, memory_scale, memory_extra)
-    cost = planning_cost(cost, mechanism)
     try:
         # A measured overhead may leave nothing (`max`): the PlanError then
         # states what the least plan needs.
-        plan = planner.make_plan(graph, max(limit, 1), policy=policy, cost=cost,
-                                 allowed=allowed, bounds=mechanism.in_flight_bounds(cost))
+        plan = planner.make_plan(graph, max(limit, 1), **args)
     except planner.PlanError as error:
         if not headroom and memory_scale == 1.0 and not memory_extra:
             raise

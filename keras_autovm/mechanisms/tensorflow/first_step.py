@@ -141,10 +141,11 @@ class FirstSteps:
         return self._measured(next_batch(iterator), tensor_spec(iterator))
 
     def _wanted(self, applied):
-        key = _key(applied.plan)  # A least plan is measured however loose.
+        runtime = self.runtime  # A least plan is measured however loose.
+        least = runtime.least_keys and _key(applied.plan) in runtime.least_keys
         return (self.model.steps_per_execution == 1
-                and (_tight(self.runtime, applied) or key in self.runtime.least_keys)
-                and key not in self.runtime.fitted_keys)
+                and (_tight(runtime, applied) or least)
+                and _key(applied.plan) not in runtime.fitted_keys)
 
     def _measured(self, data, spec):
         """Runs the step on `data` (the batch taken from the fit's iterator,
@@ -287,9 +288,11 @@ class FirstSteps:
                     f"{_overhead(plans)} (predicted peak now "
                     f"{format_bytes(new.result.peak_bytes)}).")
         except PlanError as no_plan:
-            new, said = fallback, ("No plan fits what it showed; back to the "
-                                   "plan measured within its limit before.")
-            if fallback is None:
+            if fallback is not None:
+                new, said = fallback, ("No plan fits what it showed; back to the "
+                                       "plan measured within its limit before.")
+                runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
+            else:
                 new, said = self._least(plan), ("No plan fits what it showed; the plan "
                                                 "of least predicted peak, made without "
                                                 "that overhead, runs next, judged by its "
@@ -297,8 +300,6 @@ class FirstSteps:
             if new is None:  # The user's, saying what was measured.
                 no_plan.args = (f"{seen} {no_plan.args[0]}",)
                 raise
-            if new is fallback:
-                runtime.fitted_keys.add(_key(new))  # It ran: not measured again.
         self.replans += 1
         self._count(counter)
         runtime.replace(new)
