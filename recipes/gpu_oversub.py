@@ -23,6 +23,12 @@ back). With matplotlib, also writes a PNG of throughput ratio against
 oversubscription next to the JSON. Training, peaks and timers are
 `gpu_swap.py`'s.
 
+With `--noxla-reference`, Keras's own step with `jit_compile=False` also
+trains uncapped after the in-core reference, and each run's images/s is
+given against it too (`throughput_vs_noxla`): on TensorFlow a plan that
+swaps runs without XLA, so this separates what turning XLA off costs from
+what the plan's copies and recomputation cost.
+
     python3 recipes/gpu_oversub.py --merge A.json B.json --out merged.json
 
 puts the factors of several runs of one backend, model and batch in one
@@ -56,6 +62,7 @@ def child(args):
         gpu_swap.setup(args.backend, args.cap_gib)
     budget = int(args.cap_gib * GiB) if args.cap_gib else None
     method, policy = {"remat": ("remat", "auto"), "incore": ("incore", "auto"),
+                      "incore_noxla": ("incore_noxla", "auto"),
                       "save_on_cpu": ("incore", "auto"),
                       "offload_all": ("autovm_offload", "offload_all"),
                       "autovm": ("autovm_swap", "auto")}[args.method]
@@ -94,11 +101,14 @@ def spawn(args, method, cap_gib):
     return run
 
 
-def summary(run, reference, budget_gib):
-    """The row printed for a run: status, throughput ratio, peaks."""
+def summary(run, reference, budget_gib, noxla=None):
+    """The row printed for a run: status, throughput ratio (and against
+    Keras's step without XLA where `noxla` trained), peaks."""
     row = {"status": run.get("status")}
     if run.get("status") == "ok":
         row["throughput_ratio"] = run["images_per_s"] / reference["images_per_s"]
+        if noxla and noxla.get("status") == "ok":
+            row["throughput_vs_noxla"] = run["images_per_s"] / noxla["images_per_s"]
         row["measured_peak_gib"] = (run.get("steady_peak_bytes") or 0) / GiB
         row["budget_gib"] = budget_gib
         if run.get("predicted_step_s"):
@@ -160,7 +170,9 @@ def merged(runs, names):
     return {"backend": first["backend"], "model": first["model"], "batch": first["batch"],
             "versions": first["versions"], "methods": methods,
             "merged": [{"from": n, "command": r["command"], "date": r["date"],
-                        "incore_images_per_s": r["incore_uncapped"].get("images_per_s")}
+                        "incore_images_per_s": r["incore_uncapped"].get("images_per_s"),
+                        "incore_noxla_images_per_s": (r.get("incore_noxla_uncapped")
+                                                      or {}).get("images_per_s")}
                        for r, n in zip(runs, names)],
             "factors": [factors[k] for k in sorted(factors)]}
 
@@ -184,6 +196,8 @@ def main():
     measure.child_arguments(parser, 240)
     parser.add_argument("--method", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--noxla-reference", action="store_true",
+                        help="also train Keras's step without XLA, uncapped, as a reference")
     parser.add_argument("--merge", nargs="+", default=None,
                         help="results of this recipe to put in one file and plot")
     args = parser.parse_args()
@@ -208,12 +222,18 @@ def main():
           f"{(reference.get('steady_peak_bytes') or 0) / GiB:.2f} GiB", flush=True)
     if reference.get("status") != "ok":
         return save(results, args.out)
+    noxla = spawn(args, "incore_noxla", 0.0) if args.noxla_reference else None
+    if noxla:
+        results["incore_noxla_uncapped"] = noxla
+        print(f"in-core without XLA, uncapped: {noxla.get('status')}, "
+              f"{noxla.get('images_per_s', 0):.1f} img/s ("
+              f"{summary(noxla, reference, 0.0).get('throughput_ratio', 0):.3f}x)", flush=True)
     need = reference["steady_peak_bytes"] / GiB
     for factor in [float(f) for f in args.factors.split(",")]:
         cap = need / factor
         runs = {m: spawn(args, m, cap) for m in methods}
         entry = {"factor": factor, "budget_gib": cap, "runs": runs,
-                 "summary": {m: summary(r, reference, cap) for m, r in runs.items()}}
+                 "summary": {m: summary(r, reference, cap, noxla) for m, r in runs.items()}}
         results["factors"].append(entry)
         for m, row in entry["summary"].items():
             print(f"x{factor:<4} {cap:6.2f} GiB {m:12s} {json.dumps(row)[:200]}", flush=True)

@@ -59,3 +59,15 @@ def test_merge_writes_the_file(tmp_path):
     assert [f["factor"] for f in result["factors"]] == [1.0, 3.0]
     assert result["factors"][1]["summary"]["autovm"]["status"] == "ok"
     assert result["factors"][1]["summary"]["offload_all"]["status"] == "error"
+
+
+def test_a_run_is_given_against_kerass_step_without_xla_where_that_trained():
+    summary = _recipe().summary
+    run = {"status": "ok", "images_per_s": 200.0, "steady_peak_bytes": 2**30}
+    reference = {"status": "ok", "images_per_s": 800.0}
+    noxla = {"status": "ok", "images_per_s": 400.0}
+    row = summary(run, reference, 4.0, noxla)
+    assert row["throughput_ratio"] == 0.25
+    assert row["throughput_vs_noxla"] == 0.5
+    assert "throughput_vs_noxla" not in summary(run, reference, 4.0)
+    assert "throughput_vs_noxla" not in summary(run, reference, 4.0, {"status": "oom"})
