@@ -319,7 +319,8 @@ class AutoVM(keras.callbacks.Callback):
         forward pass is measured apart, each phase to its own), and learns
         how far the measured peak is over the predicted one; replans when
         either moved, and retraces if the plan changes. A replan that fails
-        keeps the plan and what it was planned with."""
+        keeps the plan and the memory overhead it was planned with, and the
+        times just measured (`_keep`)."""
         plans = self._runtime.plans
         old = plans.cost, plans.memory_scale
         plans.cost = calibration.scaled_to_step(plans.cost, plan.result, measured,
@@ -332,7 +333,7 @@ class AutoVM(keras.callbacks.Callback):
         try:
             new = plans.plan(plan.graph.batch_size)
         except planner.PlanError as error:
-            plans.cost, plans.memory_scale = old
+            self._keep(plan, old)
             self._kept(plan, error)
             return False
         stayed = self._stayed(plan, new, peak)
@@ -342,7 +343,7 @@ class AutoVM(keras.callbacks.Callback):
             return False
         self._mechanism.keep_traced(plan, new)
         if new.refused is not None:  # Only tracing could tell: keep what runs.
-            plans.cost, plans.memory_scale = old
+            self._keep(plan, old)
             self._console.warn(f"AutoVM kept its plan: replanning failed: {new.refused}")
             return False
         self._runtime.replace(new)
@@ -352,6 +353,20 @@ class AutoVM(keras.callbacks.Callback):
             patches_lib.retrace(self._target, self._patches, self._runtime)
             return True
         return False
+
+    def _keep(self, plan, old):
+        """A replan failed and `plan` stays, with the memory overhead it was
+        planned with (`old`: the cost and memory scale before calibrating).
+        The compute times just measured stay learnt, and `plan` is predicted
+        again with them, so its next epoch is judged against what it now
+        costs and a later replan starts from them."""
+        plans = self._runtime.plans
+        plans.memory_scale = old[1]
+        if plans.cost == old[0]:
+            return
+        kept = planner.repredicted(plan, plans.cost)
+        self._mechanism.keep_traced(plan, kept)
+        self._runtime.replace(kept)
 
     def _kept(self, plan, error):
         """Says that a replan failed and `plan` stays. A plan whose measured

@@ -93,8 +93,11 @@ def spawn(args, method, cap_gib):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         text = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        return {"method": method, "status": "timeout", "wall_s": time.time() - start}
+    except subprocess.TimeoutExpired as expired:  # What it said before, to see where.
+        text = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                       for part in (expired.stdout, expired.stderr) if part)
+        return {"method": method, "status": "timeout", "wall_s": time.time() - start,
+                "log_tail": text[-2500:]}
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     run = json.loads(lines[-1][7:]) if lines else {"method": method, "status": "crashed"}
     run.update(wall_s=time.time() - start, log_tail=text[-2500:])

@@ -156,15 +156,15 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * steps, 224, 224, 3)).astype("float32")
         y = rng.integers(0, 1000, batch * steps)
-        with auto_choosing(method), inputs_on_views(method), \
-                warnings.catch_warnings(record=True) as said:
+        said = []
+        with auto_choosing(method), inputs_on_views(method), warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *_, **__: heard(said, message)
             try:
                 model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False,
                           callbacks=callbacks, verbose=0)
             finally:  # What AutoVM said (replans after running out of memory).
-                out["warnings"] = [str(w.message)[:1200] for w in said
-                                   if "AutoVM" in str(w.message)][-8:]
+                out["warnings"] = [str(w)[:1200] for w in said if "AutoVM" in str(w)][-8:]
         times = callbacks[-1].times[1:] or callbacks[-1].times
         out.update(status="ok", step_s=float(np.median(times)),
                    images_per_s=batch / float(np.median(times)),
@@ -182,6 +182,14 @@ def train(model_name, method, batch, steps, epochs=2, policy="auto", budget=None
         out["reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     free(backend)
     return out
+
+
+def heard(said, message):
+    """Keeps a warning, and prints AutoVM's as they come (a run that times
+    out still shows how far it got)."""
+    said.append(message)
+    if "AutoVM" in str(message):
+        print(f"AutoVM said: {str(message)[:600]}", file=sys.stderr, flush=True)
 
 
 def inputs_on_views(method):

@@ -252,11 +252,18 @@ def test_failed_replan_keeps_the_plan_in_use(monkeypatch):
         raise keras_autovm.PlanError("no plan", 1)
 
     monkeypatch.setattr(callback._runtime.plans, "plan", fail)
+    retraces = []
+    monkeypatch.setattr(keras_autovm.callback.patches_lib, "retrace",
+                        lambda *args: retraces.append(args))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not callback._calibrate(plan.result.step_time * 10, None, plan)
     assert any("kept its plan" in str(w.message) for w in caught)
-    assert callback.plan is plan
+    # The same actions, nothing traced again; predicted with the times
+    # just measured.
+    assert callback.plan.actions == plan.actions and not retraces
+    assert callback.plan.result.step_time == pytest.approx(plan.result.step_time * 10,
+                                                           rel=0.05)
 
 
 def replan_to(callback, monkeypatch, step_time):
@@ -347,4 +354,9 @@ def test_a_replan_only_tracing_could_accept_keeps_the_plan_in_use(monkeypatch):
         assert not callback._calibrate(plan.result.step_time * 10, None, plan)
     assert any("kept its plan" in str(w.message) and "none fits" in str(w.message)
                for w in caught)
-    assert callback.plan is plan and (plans.cost, plans.memory_scale) == before
+    # The plan that runs, predicted with the times just measured; the
+    # memory overhead it was planned with.
+    assert callback.plan.actions == plan.actions and callback.plan.refused is None
+    assert plans.cost != before[0] and plans.memory_scale == before[1]
+    assert callback.plan.result.step_time == pytest.approx(plan.result.step_time * 10,
+                                                           rel=0.05)

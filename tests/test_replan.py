@@ -51,6 +51,23 @@ def test_replan_for_an_unreachable_peak_keeps_the_plan(monkeypatch):
     assert callback.plan.counts()["keep"] == len(callback.plan.graph.tensors)
 
 
+def test_a_failed_replan_keeps_the_times_it_measured(monkeypatch):
+    # The default device figures predict a CPU step far off what it takes,
+    # so the first epoch calibrates; the peak no plan can meet fails the
+    # replan. The plan stays, predicted again with the measured times.
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        callback, _ = fit_with_peak(monkeypatch, factor=100.0, budget_share=1.2)
+    record = callback.report.epochs[0]
+    assert not record["calibrated"]
+    plan = callback.plan
+    assert plan.calibrated
+    assert plan.actions == {t: "keep" for t in plan.actions}
+    assert callback.report.stats["memory_scale"] == 1.0
+    assert plan.result.step_time == pytest.approx(record["step_time"], rel=0.3)
+    assert record["predicted_step_time"] / record["step_time"] < 0.5
+
+
 def test_peak_is_reset_when_an_epoch_begins_not_when_it_ends(monkeypatch):
     events = []
     cls = type(mechanisms.get())
