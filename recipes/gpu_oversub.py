@@ -27,7 +27,9 @@ With `--noxla-reference`, Keras's own step with `jit_compile=False` also
 trains uncapped after the in-core reference, and each run's images/s is
 given against it too (`throughput_vs_noxla`): on TensorFlow a plan that
 swaps runs without XLA, so this separates what turning XLA off costs from
-what the plan's copies and recomputation cost.
+what the plan's copies and recomputation cost. Each result records the
+environment variables set on the command line that change what runs
+(`gpu_swap.environment`), such as `TF_XLA_FLAGS`.
 
     python3 recipes/gpu_oversub.py --merge A.json B.json --out merged.json
 
@@ -217,6 +219,7 @@ def main():
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv), "backend": args.backend,
                "model": args.model, "batch": args.batch, "methods": methods,
+               "environment": gpu_swap.environment(),
                "versions": gpu_swap.versions(args.backend), "factors": []}
     reference = spawn(args, "incore", 0.0)
     results["incore_uncapped"] = reference

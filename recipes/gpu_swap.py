@@ -546,6 +546,14 @@ def save_log(args, part, model, extra, text):
         f.write(text)
 
 
+def environment():
+    """The variables set on the command line that change what runs."""
+    return {k: os.environ[k] for k in (
+        "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB", "TF_GPU_ALLOCATOR",
+        "TF_CUDNN_USE_AUTOTUNE", "TF_XLA_FLAGS", "XLA_FLAGS", "KERAS_AUTOVM_CACHE_DIR")
+        if k in os.environ}
+
+
 def versions(backend):
     import keras
     out = {"keras": keras.__version__, "python": platform.python_version()}
@@ -598,11 +606,7 @@ def main():
     os.environ["KERAS_BACKEND"] = args.backend
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": " ".join(["python3"] + sys.argv), "cap_gib": args.cap_gib,
-               # Environment that changes what runs (set on the command line).
-               "environment": {k: os.environ[k] for k in (
-                   "SWAP_IN_AUTO", "TF_CUDNN_WORKSPACE_LIMIT_IN_MB", "TF_GPU_ALLOCATOR",
-                   "TF_CUDNN_USE_AUTOTUNE", "KERAS_AUTOVM_CACHE_DIR")
-                   if k in os.environ},
+               "environment": environment(),
                "versions": versions(args.backend), "parts": {}}
 
     def save():

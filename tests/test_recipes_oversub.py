@@ -71,3 +71,15 @@ def test_a_run_is_given_against_kerass_step_without_xla_where_that_trained():
     assert row["throughput_vs_noxla"] == 0.5
     assert "throughput_vs_noxla" not in summary(run, reference, 4.0)
     assert "throughput_vs_noxla" not in summary(run, reference, 4.0, {"status": "oom"})
+
+
+def test_each_run_records_the_variables_that_change_what_runs(monkeypatch):
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2")
+    monkeypatch.setenv("AUTOVM_UNRELATED_VARIABLE", "1")
+    monkeypatch.delenv("TF_CUDNN_WORKSPACE_LIMIT_IN_MB", raising=False)
+    recipe = _recipe()  # Imports gpu_swap, whose list it is.
+    recorded = sys.modules["gpu_swap"].environment()
+    assert recorded["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=2"
+    assert "AUTOVM_UNRELATED_VARIABLE" not in recorded
+    assert "TF_CUDNN_WORKSPACE_LIMIT_IN_MB" not in recorded
+    assert recipe.gpu_swap.environment is sys.modules["gpu_swap"].environment
