@@ -339,7 +339,7 @@ class AutoVM(keras.callbacks.Callback):
         stayed = self._stayed(plan, new, peak)
         if stayed is not None:  # Same actions: nothing to trace again.
             self._mechanism.keep_traced(plan, stayed)
-            self._runtime.replace(stayed)
+            self._runtime.repredict(plan, stayed)
             return False
         self._mechanism.keep_traced(plan, new)
         if new.refused is not None:  # Only tracing could tell: keep what runs.
@@ -366,7 +366,7 @@ class AutoVM(keras.callbacks.Callback):
             return
         kept = planner.repredicted(plan, plans.cost)
         self._mechanism.keep_traced(plan, kept)
-        self._runtime.replace(kept)
+        self._runtime.repredict(plan, kept)
 
     def _kept(self, plan, error):
         """Says that a replan failed and `plan` stays. A plan whose measured

@@ -93,6 +93,22 @@ class Runtime:
         batch_size = plan.graph.batch_size
         self._add((batch_size, self.plans.shapes_at(batch_size)), plan)
 
+    def repredict(self, old, new):
+        """Puts `new`, plan `old` predicted again with its actions kept, in
+        `old`'s place: for the batch size and input shapes `old` is applied
+        for (the plans of other sizes and shapes, and what they proved,
+        stay), and as the size's measured plan where `old`'s actions are."""
+        found = [a for a in self._applied.values() if a.plan is old]
+        if not found:
+            return self.replace(new)
+        for applied in found:
+            applied.plan = new
+        size = new.graph.batch_size
+        fitted = self.fitted_plans.get(size)
+        if fitted is not None and plan_key(fitted) == plan_key(new):
+            self.fitted_plans[size] = new
+        return None
+
     def plan_for(self, batch_size, input_shapes=None):
         """The `AppliedPlan` for `batch_size` (and, for a model whose inputs
         have unknown dimensions, `input_shapes`), made on first use; the

@@ -208,6 +208,9 @@ def main():
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.noxla_reference and args.backend != "tensorflow":
+        parser.error("--noxla-reference is TensorFlow's: on JAX a step without XLA runs "
+                     "eagerly, and torch has no XLA step")
     if args.merge:
         if not args.out:
             parser.error("--merge needs --out, the merged file to write")

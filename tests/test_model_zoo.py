@@ -167,6 +167,34 @@ def test_each_sequence_length_gets_its_own_plan():
     assert runtime.plan_for_inputs(np.zeros((8, 10), "int32")).plan is short
 
 
+def test_a_plan_predicted_again_stays_under_its_own_sequence_length():
+    # A failed replan at an epoch's end predicts the plan in force again
+    # (`AutoVM._keep`): the plans of other lengths stay as they are.
+    import dataclasses
+
+    from keras_autovm import budget
+    from keras_autovm import mechanisms
+    from keras_autovm.planner import CostModel
+    from keras_autovm.runtime import Runtime
+
+    model, *_ = ZOO["backbone"]()
+    plans = budget.PlanBook(model, 2**30, 0.15, "sqrt_recompute", CostModel(),
+                            mechanisms.get())
+    runtime = Runtime(mechanisms.get(), plans, {})
+    short = runtime.plan_for_inputs(np.zeros((8, 10), "int32"))
+    long = runtime.plan_for_inputs(np.zeros((8, 20), "int32"))
+    runtime.proven.add(short)
+    runtime.fitted_plans[8] = short.plan
+    again = dataclasses.replace(short.plan, result=dataclasses.replace(
+        short.plan.result, step_time=2 * short.plan.result.step_time))
+    runtime.repredict(short.plan, again)
+    assert runtime.plan_for_inputs(np.zeros((8, 10), "int32")) is short
+    assert short.plan is again and short in runtime.proven
+    long_again = runtime.plan_for_inputs(np.zeros((8, 20), "int32"))
+    assert long_again is long and long.plan is not again
+    assert runtime.fitted_plans[8] is again
+
+
 def test_layers_of_a_model_with_unknown_dimensions_are_not_timed():
     keras.utils.set_random_seed(7)
     model, tokens, y, loss = ZOO["backbone"]()

@@ -55,9 +55,10 @@ def test_a_failed_replan_keeps_the_times_it_measured(monkeypatch):
     # The default device figures predict a CPU step far off what it takes,
     # so the first epoch calibrates; the peak no plan can meet fails the
     # replan. The plan stays, predicted again with the measured times.
-    with warnings.catch_warnings(record=True):
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         callback, _ = fit_with_peak(monkeypatch, factor=100.0, budget_share=1.2)
+    assert any("kept its plan" in str(w.message) for w in caught)
     record = callback.report.epochs[0]
     assert not record["calibrated"]
     plan = callback.plan
