@@ -16,6 +16,7 @@ import pytest
 import keras_autovm
 from conftest import BACKEND, data, forget_learnt_overheads, kept_overhead, small_cnn
 from keras_autovm.mechanisms.base import FILLED_WITHIN
+from keras_autovm.runtime import plan_key
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's first steps")
 
@@ -596,7 +597,10 @@ def test_where_the_overhead_leaves_no_plan_the_least_plan_runs_and_is_kept(
     assert len(seen) == 2 and seen[1].actions != seen[0].actions
     assert seen[1].result.peak_bytes < seen[0].result.peak_bytes
     assert "least predicted peak" in seen[1].notes[-1]
-    assert runtime.stats["least_plan_runs"] == 1 and runtime.fitted_plans[8] is seen[1]
+    # The same plan, though predicted again where an epoch's replan failed
+    # with the times it measured (`AutoVM._keep`).
+    assert runtime.stats["least_plan_runs"] == 1
+    assert plan_key(runtime.fitted_plans[8]) == plan_key(seen[1])
     assert any("the plan of least predicted peak" in line for line in said)
     assert callback.plan.actions == seen[1].actions
     # Over its limit, the first step stood; out of memory, it ran again.
